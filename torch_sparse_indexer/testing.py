@@ -1,0 +1,121 @@
+"""Numeric checks and input generators shared by the tests and the benchmarks (one copy of each).
+
+``calc_diff`` is DeepGEMM's metric ``1 - 2 sum(x y) / sum(x^2 + y^2)`` in float64 after zero-filling
+``-inf`` (whose masks must agree exactly). Generators build valid quantized inputs through
+:mod:`torch_sparse_indexer.formats`, never through the ops under test.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from . import formats
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's similarity error; asserts the ``-inf`` masks are identical and there is no NaN."""
+    x = x.double()
+    y = y.double()
+    mx, my = torch.isneginf(x), torch.isneginf(y)
+    if not torch.equal(mx, my):
+        bad = (mx != my).nonzero()[:5].tolist()
+        raise AssertionError(f"-inf masks differ at {int((mx != my).sum())} entries, e.g. {bad}")
+    if torch.isnan(x).any() or torch.isnan(y).any():
+        raise AssertionError("NaN in scores")
+    x = x.masked_fill(mx, 0)
+    y = y.masked_fill(my, 0)
+    denom = (x * x + y * y).sum()
+    if denom == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denom)
+
+
+def assert_bitwise_equal(x: torch.Tensor, y: torch.Tensor) -> None:
+    if x.shape != y.shape or x.dtype != y.dtype:
+        raise AssertionError(f"shape/dtype differ: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
+    xb = x.contiguous().view(torch.uint8)
+    yb = y.contiguous().view(torch.uint8)
+    if not torch.equal(xb, yb):
+        raise AssertionError(f"not bitwise equal: {int((xb != yb).sum())} bytes differ")
+
+
+def count_bytes(*tensors: Optional[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Input generators
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Queries:
+    q: torch.Tensor          # fp8 [T, H, D] or uint8 [T, H, D/2]
+    q_scale: Optional[torch.Tensor]
+    weights: torch.Tensor    # float32 [T, H]
+
+
+def make_queries(T: int, H: int, D: int, fmt: str, device="cpu", gen: Optional[torch.Generator] = None,
+                 scale: float = 1.0) -> Queries:
+    q = torch.randn(T, H, D, generator=gen, device="cpu").to(device) * scale
+    w = torch.randn(T, H, generator=gen, device="cpu").to(device) * H ** -0.5
+    qv, qs, wf = formats.quantize_q(q, w, fmt)
+    return Queries(qv, qs, wf)
+
+
+def make_packed_k(N: int, D: int, fmt: str, device="cpu", gen=None, pow2_scale: bool = True):
+    x = torch.randn(N, D, generator=gen, device="cpu").to(device)
+    return formats.quantize_rows(x, fmt, pow2_scale)
+
+
+@dataclass
+class PagedCase:
+    kv_cache: torch.Tensor                 # uint8 [NB, BS, bpt]
+    block_table: torch.Tensor              # int32 [num_reqs, max_blocks]
+    seq_lens: list[int]                    # per request
+    fmt: str
+    head_dim: int
+    block_size: int
+    extra: dict = field(default_factory=dict)
+
+
+def make_paged_cache(seq_lens: Sequence[int], block_size: int, D: int, fmt: str, device="cpu", gen=None,
+                     max_blocks: Optional[int] = None, spare_blocks: int = 2) -> PagedCase:
+    """A cache holding random K for each request, pages shuffled; unused table entries are -1 ...
+    except that they point at real pages half the time (engines leave stale ids there)."""
+    need = [(n + block_size - 1) // block_size for n in seq_lens]
+    mb = max_blocks or max([1] + need)
+    total = sum(need) + spare_blocks
+    cache = formats.allocate_k_cache(total, block_size, D, fmt, device)
+    vals_v, scales_v = formats.cache_views(cache, fmt)
+    x = torch.randn(total * block_size, D, generator=gen, device="cpu").to(device)
+    v, s = formats.quantize_rows(x, fmt)
+    vals_v.view(torch.uint8).copy_(v.view(torch.uint8).view(total, block_size, -1))
+    scales_v.copy_(s.view(total, block_size))
+    perm = torch.randperm(total, generator=gen).tolist()
+    bt = torch.full((len(seq_lens), mb), -1, dtype=torch.int32)
+    it = iter(perm)
+    for r, nb in enumerate(need):
+        for b in range(nb):
+            bt[r, b] = next(it)
+    return PagedCase(cache, bt.to(device), list(seq_lens), fmt, D, block_size)
+
+
+def random_candidates(lengths: Sequence[int], num_blocks: int, cbs: int, gen=None, device="cpu",
+                      cluster: bool = False) -> torch.Tensor:
+    """int32 [R, num_blocks]: per row ``min(num_blocks, ceil(n / cbs))`` distinct ascending block ids in
+    ``[0, ceil(n / cbs))``, then -1 (the candidate-list contract)."""
+    out = torch.full((len(lengths), num_blocks), -1, dtype=torch.int32)
+    for r, n in enumerate(lengths):
+        nbk = (n + cbs - 1) // cbs
+        m = min(num_blocks, nbk)
+        if m == 0:
+            continue
+        if cluster and nbk > m:
+            start = int(torch.randint(0, nbk - m + 1, (1,), generator=gen))
+            ids = torch.arange(start, start + m)
+        else:
+            ids = torch.randperm(nbk, generator=gen)[:m].sort().values
+        out[r, :m] = ids.to(torch.int32)
+    return out.to(device)
