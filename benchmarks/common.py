@@ -1,0 +1,116 @@
+"""Shared benchmark machinery: environment record, timing, floors, CSV/PNG output.
+
+Every row a suite returns is a dict; ``record()`` adds the hardware and software conditions so each number
+says where it came from (gpt-fast's rule). Times are medians of CUDA-graph replays (or of CUDA-event timed
+calls) with the L2 flushed between repetitions by ``triton.testing.do_bench`` semantics.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import subprocess
+from typing import Callable, Iterable
+
+import torch
+
+# Ceilings measured on the project's H200 (ANCHORS.md section 7): use these for the floors.
+COPY_BW = 4.27e12          # bytes/s, device-to-device copy (read + write)
+FP8_RATE = 1281e12         # flop/s, torch._scaled_mm fp8 8192^3
+BF16_RATE = 695e12
+
+
+def floor_us(bytes_moved: float = 0.0, flops: float = 0.0, flop_rate: float = FP8_RATE) -> float:
+    """max(bytes / copy bandwidth, flops / rate) in microseconds."""
+    return max(bytes_moved / COPY_BW, flops / flop_rate) * 1e6
+
+
+def environment() -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda or "",
+           "gpu": "", "sms": "", "clocks": ""}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = ""
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env["gpu"] = p.name
+        env["sms"] = p.multi_processor_count
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,clocks.max.sm",
+                                  "--format=csv,noheader"], capture_output=True, text=True, timeout=10).stdout
+            env["clocks"] = out.strip().replace(",", " /")
+        except Exception:
+            pass
+    try:
+        import deep_gemm
+        env["deep_gemm"] = getattr(deep_gemm, "__version__", "?")
+    except Exception:
+        env["deep_gemm"] = ""
+    return env
+
+
+_ENV: dict | None = None
+
+
+def record(**row) -> dict:
+    global _ENV
+    if _ENV is None:
+        _ENV = environment()
+    out = dict(row)
+    out.update({f"env_{k}": v for k, v in _ENV.items()})
+    return out
+
+
+def time_us(fn: Callable[[], None], graph: bool = True, warmup: int = 3, rep_ms: int = 200) -> float:
+    """Median time of ``fn`` in microseconds. ``graph``: capture ``fn`` once and time replays (what a
+    serving engine sees); otherwise time eager calls. L2 is flushed between repetitions."""
+    import triton.testing
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    else:
+        run = fn
+    ms = triton.testing.do_bench(run, warmup=25, rep=rep_ms, return_mode="median")
+    return ms * 1e3
+
+
+def write_csv(rows: Iterable[dict], path: str) -> None:
+    rows = list(rows)
+    if not rows:
+        return
+    keys: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c, ""))) for r in rows)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
