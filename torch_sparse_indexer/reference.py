@@ -223,8 +223,8 @@ def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
     bi = p // BS
     req_ok = r < num_reqs
     rr = r.clamp(max=max(num_reqs - 1, 0))
-    page = block_table[rr, bi.clamp(max=MB - 1)].long()
-    ok = inside & req_ok & (bi < MB) & (page >= 0) & (page < NB)
+    page = block_table[rr, bi.clamp(0, MB - 1)].long()
+    ok = inside & req_ok & (p >= 0) & (bi < MB) & (page >= 0) & (page < NB)  # p < 0 only if cu[0] > 0
     page = page.clamp(0, max(NB - 1, 0))
     off = p % BS
     src_v = vals_v.view(torch.uint8)[page, off]

@@ -1,2 +1,24 @@
 """GPU kernel backends. Each family registers itself with :mod:`torch_sparse_indexer.backends` when its
 toolchain is importable; importing never compiles a kernel (``warmup()`` does, ahead of capture)."""
+
+import importlib.util as _ilu
+import logging as _logging
+
+import torch as _torch
+
+_log = _logging.getLogger("torch_sparse_indexer")
+
+
+def _triton_usable() -> bool:
+    # Only on a machine that can launch: triton imported, a CUDA device present. Never compiles here.
+    return _ilu.find_spec("triton") is not None and _torch.cuda.is_available()
+
+
+if _triton_usable():
+    try:
+        from . import triton_scoring, triton_cache  # noqa: F401
+
+        triton_scoring.register()
+        triton_cache.register()
+    except Exception as _e:  # a broken triton install must not break the reference backend
+        _log.warning("torch_sparse_indexer: triton kernels not registered (%s)", _e)

@@ -1,0 +1,485 @@
+"""Triton kernels (SM90/SM100) against the reference backend on the same quantized inputs.
+
+Every check: ``calc_diff < 1e-5`` with identical ``-inf`` masks (``testing.calc_diff`` asserts them), every
+output element written (the output is poisoned with NaN first), and 20 repeated launches bitwise equal.
+Cache kernels must be byte-exact. Shapes are drawn fresh each run (seed printed; replay with
+``TORCH_SPARSE_INDEXER_SEED``). All tests need a CUDA GPU with triton; they are skipped elsewhere.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from torch_sparse_indexer import backends, formats, reference, testing
+
+triton = pytest.importorskip("triton")
+
+# Developer hook: TRITON_INTERPRET=1 TSI_TEST_DEVICE=cpu runs these tests on the CPU through triton's
+# interpreter (slow; index arithmetic only: the SM90 asm and dot_scaled paths are GPU-only).
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("TSI_TEST_DEVICE") == "cpu"
+if INTERPRET:
+    pytestmark = []
+else:
+    pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+if torch.cuda.is_available() or INTERPRET:
+    from torch_sparse_indexer.kernels import triton_cache as tc
+    from torch_sparse_indexer.kernels import triton_scoring as ts
+if INTERPRET:
+    for _op, _fn in [("mqa_logits", ts.mqa_logits), ("sparse_mqa_logits", ts.sparse_mqa_logits),
+                     ("paged_mqa_logits", ts.paged_mqa_logits),
+                     ("paged_sparse_mqa_logits", ts.paged_sparse_mqa_logits), ("write_k_cache", tc.write_k_cache),
+                     ("gather_k", tc.gather_k), ("quantize_q", tc.quantize_q)]:
+        backends.register(_op, "triton", _fn, priority=10)
+
+DEV = "cpu" if INTERPRET else "cuda"
+TOL = 1e-5
+REPEATS = 2 if INTERPRET else 20
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+ops = torch.ops.sparse_indexer
+
+# (fmt, D, H): every head count the brief names at D = 128 for FP8, a spread elsewhere, kept small so the
+# number of distinct compiled variants stays bounded.
+CONFIGS = [("fp8", 128, 8), ("fp8", 128, 16), ("fp8", 128, 32), ("fp8", 128, 64), ("fp8", 128, 128),
+           ("fp8", 64, 64), ("fp8", 64, 12), ("mxfp4", 128, 8), ("mxfp4", 128, 32), ("mxfp4", 128, 64),
+           ("mxfp4", 64, 16), ("mxfp4", 64, 64)]
+CFG_IDS = [f"{f}-D{d}-H{h}" for f, d, h in CONFIGS]
+
+
+@pytest.fixture
+def seed(request):
+    import os
+    env = os.environ.get("TORCH_SPARSE_INDEXER_SEED")
+    s = int(env) if env else random.SystemRandom().randrange(1 << 31)
+    print(f"\n{request.node.nodeid}: seed {s} (replay with TORCH_SPARSE_INDEXER_SEED={s})")
+    return s
+
+
+@pytest.fixture
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _poisoned(rows, cols, dtype=torch.float32):
+    return torch.full((rows, cols), float("nan"), dtype=dtype, device=DEV)
+
+
+def _check(run, ref_out, dtype=torch.float32, tol=TOL):
+    """``run(out)`` fills ``out``; compare with ``ref_out`` and check 20 reruns are bitwise equal."""
+    out = _poisoned(*ref_out.shape, dtype=dtype)
+    run(out)
+    _sync()
+    assert not torch.isnan(out).any(), f"{int(torch.isnan(out).sum())} output elements not written"
+    d = testing.calc_diff(out.float(), ref_out.float())
+    assert d < tol, f"calc_diff {d}"
+    for _ in range(REPEATS - 1):
+        again = _poisoned(*ref_out.shape, dtype=dtype)
+        run(again)
+        testing.assert_bitwise_equal(again, out)
+    return out
+
+
+def _queries(T, H, D, fmt, gen, wdtype=torch.float32):
+    qs = testing.make_queries(T, H, D, fmt, device=DEV, gen=gen)
+    return qs.q, qs.q_scale, qs.weights.to(wdtype)
+
+
+def _paged_case(rng, gen, fmt, D, H, mtp=False):
+    bs = rng.choice(formats.CACHE_BLOCK_SIZES)
+    nreq = rng.randint(1, 5)
+    # lengths: 0, 1, exact page multiples, non-multiples of anything
+    seq = [rng.choice([0, 1, bs, bs + 1, rng.randint(1, 3 * bs + 7), rng.randint(1, 700)]) for _ in range(nreq)]
+    case = testing.make_paged_cache(seq, bs, D, fmt, device=DEV, gen=gen, max_blocks=max(1, max(
+        (n + bs - 1) // bs for n in seq)) + rng.randint(0, 2))
+    bt = case.block_table.clone()
+    if rng.random() < 0.5 and bt.numel() > 1:
+        bt.view(-1)[rng.randrange(bt.numel())] = -1  # a hole: those positions score -inf
+    if rng.random() < 0.5:
+        bt.view(-1)[rng.randrange(bt.numel())] = 10 ** 6  # a page id past the cache: -inf
+    lens, reqs = [], []
+    for r, n in enumerate(seq):
+        m = rng.randint(1, 3) if mtp and n >= 3 else 1
+        for t in range(m):
+            lens.append(n - m + 1 + t)
+            reqs.append(r)
+    lens.append(rng.randint(0, 50))
+    reqs.append(nreq + 3)  # request index out of range: a row of length 0
+    lens.append(-5)
+    reqs.append(0)  # negative length: clamped to 0
+    R = len(lens)
+    return case.kv_cache, bt, torch.tensor(lens, dtype=torch.int32, device=DEV), \
+        torch.tensor(reqs, dtype=torch.int32, device=DEV), R, bs, seq
+
+
+def _candidates(rng, gen, ns, num_blocks, cbs, neighbour_share=None):
+    cand = testing.random_candidates([max(0, n) for n in ns], num_blocks, cbs, gen=gen).to(DEV)
+    c = cand.cpu()
+    for r in range(c.shape[0]):
+        if rng.random() < 0.3:
+            c[r, -1] = -1  # padding even where more blocks exist
+        if rng.random() < 0.2:
+            valid = int((c[r] >= 0).sum())
+            if valid < c.shape[1]:
+                c[r, valid] = (max(ns[r], 0) + cbs - 1) // cbs + rng.randint(0, 3)  # id past the row: -inf
+    if neighbour_share is not None:
+        # copy each even row's list onto the next row, then replace a fraction of it (sorted, unique)
+        for r in range(0, c.shape[0] - 1, 2 if rng.random() < 0.5 else 1):
+            n1 = max(ns[r + 1], 0)
+            nb1 = (n1 + cbs - 1) // cbs
+            ids = [int(x) for x in c[r] if 0 <= x < nb1]
+            pool = [b for b in range(nb1) if b not in ids]
+            rng.shuffle(pool)
+            for i in range(len(ids)):
+                if pool and rng.random() > neighbour_share:
+                    ids[i] = pool.pop()
+            ids = sorted(set(ids))[: c.shape[1]]
+            c[r + 1] = -1
+            c[r + 1, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    return c.to(DEV)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decode scoring
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
+def test_paged_mqa_logits(fmt, D, H, seed, gen):
+    rng = random.Random(seed)
+    kv, bt, lens, reqs, R, bs, seq = _paged_case(rng, gen, fmt, D, H, mtp=True)
+    q, qs, w = _queries(R, H, D, fmt, gen)
+    L = max(1, max(seq) + rng.randint(0, 40))
+    ref = torch.empty(R, L, device=DEV)
+    reference.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, ref)
+    with backends.use_backend("triton"):
+        _check(lambda out: ops.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, out), ref)
+
+
+@pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
+def test_paged_sparse_mqa_logits(fmt, D, H, seed, gen):
+    rng = random.Random(seed)
+    kv, bt, lens, reqs, R, bs, seq = _paged_case(rng, gen, fmt, D, H, mtp=True)
+    cbs = rng.choice([c for c in formats.CANDIDATE_BLOCK_SIZES if bs % c == 0])
+    q, qs, w = _queries(R, H, D, fmt, gen)
+    nbk = rng.randint(1, 12)
+    ns = [int(n) if 0 <= int(r) < len(seq) else 0 for n, r in zip(lens.tolist(), reqs.tolist())]
+    cand = _candidates(rng, gen, ns, nbk, cbs)
+    ref = torch.empty(R, nbk * cbs, device=DEV)
+    reference.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, ref)
+    with backends.use_backend("triton"):
+        _check(lambda out: ops.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, out), ref)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_paged_no_req_indices_bf16(fmt, seed, gen):
+    """req_indices None (row r = request r), bf16 weights and bf16 logits."""
+    rng = random.Random(seed)
+    D, H, bs = 128, 64, 64
+    seq = [rng.randint(0, 300) for _ in range(rng.randint(1, 6))]
+    case = testing.make_paged_cache(seq, bs, D, fmt, device=DEV, gen=gen)
+    R = len(seq)
+    lens = torch.tensor(seq, dtype=torch.int32, device=DEV)
+    q, qs, w = _queries(R, H, D, fmt, gen, wdtype=torch.bfloat16)
+    L = max(seq + [1])
+    ref = torch.empty(R, L, device=DEV)
+    reference.paged_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, None, ref)
+    with backends.use_backend("triton"):
+        _check(lambda out: ops.paged_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, None, out),
+               ref.bfloat16(), dtype=torch.bfloat16, tol=TOL)
+    cand = _candidates(rng, gen, seq, 5, 16)
+    ref = torch.empty(R, 5 * 16, device=DEV)
+    reference.paged_sparse_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, None, cand, 16, ref)
+    with backends.use_backend("triton"):
+        _check(lambda out: ops.paged_sparse_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, None,
+                                                       cand, 16, out), ref)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prefill scoring
+# ----------------------------------------------------------------------------------------------------
+
+def _prefill_rows(rng):
+    """Requests packed back to back, causal rows, plus edge rows (ks == ke, ks > ke, ke > N, ks < 0)."""
+    ks, ke, start = [], [], 0
+    for _ in range(rng.randint(1, 4)):
+        n = rng.choice([1, 7, 64, 129, rng.randint(1, 600)])
+        rows = rng.randint(1, 6)
+        for i in range(rows):
+            ks.append(start)
+            ke.append(start + n - rows + 1 + i if n >= rows else start + n)
+        start += n
+    N = start + rng.randint(0, 20)
+    ks += [5, 30, N - 3, -4]
+    ke += [5, 10, N + 100, 17]
+    return torch.tensor(ks, dtype=torch.int32, device=DEV), torch.tensor(ke, dtype=torch.int32, device=DEV), N
+
+
+@pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
+def test_mqa_logits(fmt, D, H, seed, gen):
+    rng = random.Random(seed)
+    ks, ke, N = _prefill_rows(rng)
+    T = ks.shape[0]
+    k, ksc = testing.make_packed_k(N, D, fmt, device=DEV, gen=gen)
+    q, qs, w = _queries(T, H, D, fmt, gen)
+    n = (ke.clamp(max=N) - ks.clamp(0, N)).clamp(min=0)
+    L = int(n.max()) + rng.randint(0, 33)
+    ref = torch.empty(T, L, device=DEV)
+    reference.mqa_logits(q, qs, k, ksc, w, ks, ke, ref)
+    with backends.use_backend("triton"):
+        _check(lambda out: ops.mqa_logits(q, qs, k, ksc, w, ks, ke, out), ref)
+
+
+@pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
+@pytest.mark.parametrize("pair", [True, False], ids=["pair", "rows"])
+def test_sparse_mqa_logits(fmt, D, H, pair, seed, gen):
+    rng = random.Random(seed)
+    ks, ke, N = _prefill_rows(rng)
+    T = ks.shape[0]
+    k, ksc = testing.make_packed_k(N, D, fmt, device=DEV, gen=gen)
+    q, qs, w = _queries(T, H, D, fmt, gen)
+    cbs = rng.choice(formats.CANDIDATE_BLOCK_SIZES)
+    nbk = rng.randint(1, 20)
+    ns = (ke.clamp(max=N) - ks.clamp(0, N)).clamp(min=0).tolist()
+    cand = _candidates(rng, gen, ns, nbk, cbs, neighbour_share=0.8)
+    ref = torch.empty(T, nbk * cbs, device=DEV)
+    reference.sparse_mqa_logits(q, qs, k, ksc, w, ks, ke, cand, cbs, ref)
+    if H > 64 and pair:
+        pytest.skip("pairs are used up to 64 (padded) heads")
+    _check(lambda out: ts._launch_prefill_sparse(q, qs, k, ksc, w, ks, ke, cand, cbs, out, pair), ref)
+
+
+def test_sparse_prefill_out_of_contract_lists(seed, gen):
+    """Unsorted / duplicated candidate lists are out of contract, but every slot is still written with
+    the score of the block it names (the pair kernel's cover rule), exactly as the reference does."""
+    rng = random.Random(seed)
+    D, H, fmt, cbs = 128, 64, "fp8", 8
+    N = 500
+    T = 6
+    ks = torch.zeros(T, dtype=torch.int32, device=DEV)
+    ke = torch.full((T,), N, dtype=torch.int32, device=DEV)
+    k, ksc = testing.make_packed_k(N, D, fmt, device=DEV, gen=gen)
+    q, qs, w = _queries(T, H, D, fmt, gen)
+    nb = (N + cbs - 1) // cbs
+    cand = torch.tensor([[rng.randrange(-1, nb) for _ in range(16)] for _ in range(T)], dtype=torch.int32)
+    cand[1, :8] = cand[0, :8]
+    cand[3] = cand[2].flip(0)
+    cand = cand.to(DEV)
+    ref = torch.empty(T, 16 * cbs, device=DEV)
+    reference.sparse_mqa_logits(q, qs, k, ksc, w, ks, ke, cand, cbs, ref)
+    _check(lambda out: ts._launch_prefill_sparse(q, qs, k, ksc, w, ks, ke, cand, cbs, out, True), ref)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_dot_scaled_path(D, seed, gen, monkeypatch):
+    """The SM100 MXFP4 code path (``tl.dot_scaled``) on this GPU, where triton emulates it: checks its index
+    and scale-byte arithmetic."""
+    if INTERPRET:
+        pytest.skip("the interpreter has no dot_scaled")
+    monkeypatch.setattr(ts, "_FORCE_DOT_SCALED", True)
+    rng = random.Random(seed)
+    H, fmt = 32, "mxfp4"
+    kv, bt, lens, reqs, R, bs, seq = _paged_case(rng, gen, fmt, D, H)
+    q, qs, w = _queries(R, H, D, fmt, gen)
+    L = max(seq) + 3
+    ref = torch.empty(R, L, device=DEV)
+    reference.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, ref)
+    _check(lambda out: ts.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, out), ref)
+    ks, ke, N = _prefill_rows(rng)
+    T = ks.shape[0]
+    k, ksc = testing.make_packed_k(N, D, fmt, device=DEV, gen=gen)
+    q, qs, w = _queries(T, H, D, fmt, gen)
+    L = int((ke.clamp(max=N) - ks.clamp(0, N)).clamp(min=0).max()) + 1
+    ref = torch.empty(T, L, device=DEV)
+    reference.mqa_logits(q, qs, k, ksc, w, ks, ke, ref)
+    _check(lambda out: ts.mqa_logits(q, qs, k, ksc, w, ks, ke, out), ref)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Cache kernels: byte-exact
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kdtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_write_k_cache(fmt, D, kdtype, seed, gen):
+    rng = random.Random(seed)
+    bs = rng.choice(formats.CACHE_BLOCK_SIZES)
+    nb = rng.randint(1, 6)
+    T = rng.randint(1, nb * bs)
+    x = torch.randn(T, D, generator=gen) * torch.rand(T, 1, generator=gen).mul(8)
+    x[0] = 0  # amax floor
+    if T > 2:
+        x[1, :32] = 1e-6  # a group below the floor
+    k = x.to(kdtype).to(DEV)
+    slot = torch.randperm(nb * bs, generator=gen)[:T]
+    slot[torch.rand(T, generator=gen) < 0.2] = -1
+    if T > 3:
+        slot[3] = nb * bs + 5  # past the cache: skipped
+    sd = rng.choice([torch.int64, torch.int32])
+    slot = slot.to(sd).to(DEV)
+    for pow2 in ([True, False] if fmt == "fp8" else [True]):
+        base = torch.randint(0, 256, (nb, bs, formats.bytes_per_token(fmt, D)), generator=gen,
+                             dtype=torch.uint8).to(DEV)
+        want = base.clone()
+        reference.write_k_cache(k, slot, want, fmt, pow2)
+        got = base.clone()
+        with backends.use_backend("triton"):
+            ops.write_k_cache(k, slot, got, fmt, pow2)
+        assert torch.equal(got, want), f"{int((got != want).sum())} bytes differ"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gather_k(fmt, D, seed, gen):
+    rng = random.Random(seed)
+    bs = rng.choice(formats.CACHE_BLOCK_SIZES)
+    seq = [rng.randint(0, 3 * bs) for _ in range(rng.randint(1, 5))]
+    case = testing.make_paged_cache(seq, bs, D, fmt, device=DEV, gen=gen)
+    bt = case.block_table.clone()
+    if rng.random() < 0.5 and bt.numel() > 1:
+        bt.view(-1)[rng.randrange(bt.numel())] = -1
+    cu = torch.tensor([0] + list(torch.tensor(seq).cumsum(0).tolist()), dtype=torch.int32)
+    if rng.random() < 0.3 and len(seq) > 1:
+        cu[1] = cu[2] + 3  # decreasing offsets (out of contract): cummax rule
+    cu = cu.to(DEV)
+    N = int(cu.max()) + rng.randint(0, 10)
+    vb = formats.value_bytes(fmt, D)
+    base_v = torch.randint(0, 256, (N, vb), generator=gen, dtype=torch.uint8).to(DEV)
+    base_s = torch.randint(-1000, 1000, (N,), generator=gen, dtype=torch.int32).to(DEV)
+    sdt = torch.float32 if fmt == "fp8" else torch.int32
+
+    def fresh():
+        v = base_v.clone()
+        return (v.view(formats.FP8_DTYPE) if fmt == "fp8" else v), base_s.clone().view(sdt)
+    kw, sw = fresh()
+    reference.gather_k(case.kv_cache, bt, cu, kw, sw, fmt)
+    kg, sg = fresh()
+    with backends.use_backend("triton"):
+        ops.gather_k(case.kv_cache, bt, cu, kg, sg, fmt)
+    assert torch.equal(kg.view(torch.uint8), kw.view(torch.uint8))
+    assert torch.equal(sg.view(torch.int32), sw.view(torch.int32))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_quantize_q(fmt, D, seed, gen):
+    rng = random.Random(seed)
+    T, H = rng.randint(1, 40), rng.choice([4, 8, 12, 64])
+    q = (torch.randn(T, H, D, generator=gen) * 3).to(torch.bfloat16).to(DEV)
+    w = torch.randn(T, H, generator=gen).to(DEV)
+    ws = rng.random() + 0.01
+    want = formats.quantize_q(q, w, fmt, ws)
+    with backends.use_backend("triton"):
+        got = ops.quantize_q(q, w, fmt, ws)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert (got[1] is None) == (want[1] is None)
+    if want[1] is not None:
+        assert torch.equal(got[1], want[1])
+    assert torch.equal(got[2], want[2])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Graph capture after warmup: no compilation, replays follow new data
+# ----------------------------------------------------------------------------------------------------
+
+def _compiled_count():
+    n = 0
+    for fn in (ts._rows_kernel, ts._prefill_dense_kernel, ts._prefill_pair_kernel):
+        for cache in getattr(fn, "device_caches", {}).values():
+            n += len(cache[0])
+    return n
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_warmup_then_capture(fmt, seed, gen):
+    if INTERPRET:
+        pytest.skip("CUDA graphs need the GPU")
+    D, H, bs, cbs = 128, 64, 64, 8
+    ts.warmup(DEV, H, D, fmt, block_size=bs, cbs=cbs, candidate_slots=16)
+    before = _compiled_count()
+    R, nbk, maxb = 4, 16, 8
+    kv = formats.allocate_k_cache(40, bs, D, fmt, DEV)
+    bt = torch.zeros(R, maxb, dtype=torch.int32, device=DEV)
+    lens = torch.zeros(R, dtype=torch.int32, device=DEV)
+    cand = torch.full((R, nbk), -1, dtype=torch.int32, device=DEV)
+    q0, qs0, w0 = _queries(R, H, D, fmt, gen)
+    q, w = q0.clone(), w0.clone()
+    qs = qs0.clone() if qs0 is not None else None
+    out_d = torch.empty(R, maxb * bs, device=DEV)
+    out_s = torch.empty(R, nbk * cbs, device=DEV)
+    g = torch.cuda.CUDAGraph()
+    with backends.use_backend("triton"):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            ops.paged_mqa_logits(q, qs, kv, w, lens, bt, None, out_d)
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            ops.paged_mqa_logits(q, qs, kv, w, lens, bt, None, out_d)
+            ops.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, None, cand, cbs, out_s)
+    for _ in range(2):
+        seq = [int(x) for x in torch.randint(0, maxb * bs, (R,), generator=gen)]
+        case = testing.make_paged_cache(seq, bs, D, fmt, device=DEV, gen=gen, max_blocks=maxb,
+                                        spare_blocks=40 - sum((n + bs - 1) // bs for n in seq))
+        kv.copy_(case.kv_cache)
+        bt.copy_(case.block_table)
+        lens.copy_(torch.tensor(seq, dtype=torch.int32))
+        cand.copy_(testing.random_candidates(seq, nbk, cbs, gen=gen))
+        qn, qsn, wn = _queries(R, H, D, fmt, gen)
+        q.copy_(qn)
+        w.copy_(wn)
+        if qs is not None:
+            qs.copy_(qsn)
+        g.replay()
+        torch.cuda.synchronize()
+        ref_d = torch.empty_like(out_d)
+        reference.paged_mqa_logits(q, qs, kv, w, lens, bt, None, ref_d)
+        ref_s = torch.empty_like(out_s)
+        reference.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, None, cand, cbs, ref_s)
+        assert testing.calc_diff(out_d, ref_d) < TOL
+        assert testing.calc_diff(out_s, ref_s) < TOL
+    assert _compiled_count() == before, "a kernel compiled after warmup"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Against DeepGEMM 2.8.2's dense SM90 kernels (FP8, H 32/64, page 64), when it is importable
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("H", [32, 64])
+def test_against_deepgemm(H, seed, gen):
+    dg = pytest.importorskip("deep_gemm")
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("DeepGEMM's FP8 (fp32-scale) path is the SM90 one")
+    rng = random.Random(seed)
+    D, bs = 128, 64
+    # prefill, one request, causal rows
+    S, T = rng.randint(300, 2000), rng.randint(2, 64)
+    k, ksc = testing.make_packed_k(S, D, "fp8", device=DEV, gen=gen, pow2_scale=False)
+    q, _, w = _queries(T, H, D, "fp8", gen)
+    ks = torch.zeros(T, dtype=torch.int32, device=DEV)
+    ke = torch.arange(S - T + 1, S + 1, dtype=torch.int32, device=DEV)
+    mine = torch.empty(T, S, device=DEV)
+    ts.mqa_logits(q, None, k, ksc, w, ks, ke, mine)
+    theirs = dg.fp8_fp4_mqa_logits((q, None), (k, ksc), w, ks, ke, S)
+    valid = torch.arange(S, device=DEV)[None, :] < (ke - ks)[:, None]
+    assert testing.calc_diff(mine.masked_fill(~valid, 0), theirs.float().masked_fill(~valid, 0)) < TOL
+    # decode
+    B = rng.randint(1, 16)
+    seq = [rng.randint(1, 3000) for _ in range(B)]
+    case = testing.make_paged_cache(seq, bs, D, "fp8", device=DEV, gen=gen)
+    lens = torch.tensor(seq, dtype=torch.int32, device=DEV)
+    q, _, w = _queries(B, H, D, "fp8", gen)
+    L = triton.cdiv(max(seq), bs) * bs
+    mine = torch.empty(B, L, device=DEV)
+    ts.paged_mqa_logits(q, None, case.kv_cache, w, lens, case.block_table, None, mine)
+    meta = dg.get_paged_mqa_logits_metadata(lens.view(B, 1), bs, torch.cuda.get_device_properties(0).multi_processor_count)
+    theirs = dg.fp8_fp4_paged_mqa_logits((q.view(B, 1, H, D), None), case.kv_cache.view(-1, bs, 1, D + 4), w,
+                                         lens.view(B, 1), case.block_table, meta, L)
+    valid = torch.arange(L, device=DEV)[None, :] < lens[:, None]
+    assert testing.calc_diff(mine.masked_fill(~valid, 0), theirs.float().masked_fill(~valid, 0)) < TOL

@@ -1,0 +1,300 @@
+"""Triton cache kernels: ``write_k_cache``, ``gather_k``, ``quantize_q`` (SPEC section 3).
+
+Bytes are exactly :mod:`torch_sparse_indexer.formats`'s: the same amax floor, correctly rounded divisions
+(``div_rn``), the same power-of-two rounding of the scale on its fp32 bits, round-to-nearest-even e4m3
+conversion, and the same e2m1 rounding boundaries and tie directions. Grids depend on static sizes only;
+slots, offsets and block-table entries are read on the device and follow the reference's clamping (slots
+``< 0`` or past the cache are skipped; gathered rows whose page is missing are written as zeros).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import backends, formats
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_TOK = 32  # tokens (or query-head rows) per program
+
+
+@triton.jit
+def _pow2_ceil(s):
+    """Round positive fp32 ``s`` up to a power of two on its bits: exponent + (mantissa != 0), in [1, 254]."""
+    bits = s.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 0xFF
+    e = e + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, 1), 254)
+    return (e << 23).to(tl.float32, bitcast=True), e
+
+
+@triton.jit
+def _e4m3_rne_bytes(x):
+    """fp32 -> e4m3fn bytes, round to nearest even, saturating at 448, in integer arithmetic. Only the
+    interpreter uses it (its fp8 cast does not round like the hardware's ``cvt.rn.satfinite``)."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    af = a.to(tl.float32, bitcast=True)
+    # normal range: keep 3 mantissa bits with round-half-even on the 20 dropped ones
+    r = a >> 20
+    rem = a & 0xFFFFF
+    r = r + ((rem > 0x80000) | ((rem == 0x80000) & ((r & 1) == 1))).to(tl.int32)
+    normal = r - (120 << 3)
+    # subnormal range (< 2^-6): multiples of 2^-9
+    v = af * 512.0
+    fl = tl.floor(v)
+    fr = v - fl
+    fli = fl.to(tl.int32)
+    sub = fli + ((fr > 0.5) | ((fr == 0.5) & ((fli & 1) == 1))).to(tl.int32)
+    code = tl.where(af < 0.015625, sub, tl.minimum(normal, 0x7E))
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _e2m1_codes(x):
+    """fp32 ``x`` (already divided by its scale) -> e2m1 codes 0..15 (ties to even, saturating, -0 -> +0)."""
+    a = tl.abs(x)
+    c = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) \
+        + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    sign = ((x < 0) & (c != 0)).to(tl.int32) << 3
+    return c | sign
+
+
+@triton.jit
+def _quant_rows(x, ROWS: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr,
+                SOFT_FP8: tl.constexpr):
+    """``x [ROWS, D]`` fp32 -> (value bytes ``[ROWS, VB]`` uint8, scale word ``[ROWS]`` (fp32 or int32))."""
+    if FP4:
+        G: tl.constexpr = D // 32
+        xg = tl.reshape(x, (ROWS, G, 32))
+        amax = tl.maximum(tl.max(tl.abs(xg), axis=2), 1e-4)
+        sf, e = _pow2_ceil(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
+        inv = tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
+        codes = tl.reshape(_e2m1_codes(xg * inv[:, :, None]), (ROWS, D // 2, 2))
+        lo, hi = tl.split(codes)
+        vals = (lo | (hi << 4)).to(tl.uint8)
+        gi = tl.arange(0, G)
+        word = tl.sum(e << (8 * gi[None, :]), axis=1)
+        if G == 2:
+            word = word | (127 << 16) | (127 << 24)
+        return vals, word
+    else:
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+        s = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        if POW2:
+            s, e = _pow2_ceil(s)
+        inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        if SOFT_FP8:
+            vals = _e4m3_rne_bytes(x * inv[:, None])
+        else:
+            vals = (x * inv[:, None]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return vals, s
+
+
+@triton.jit(do_not_specialize=["T", "NSLOT", "BS", "PAGE_STRIDE"],
+            do_not_specialize_on_alignment=["slot_ptr"])
+def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, BS, PAGE_STRIDE,
+                  D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr, TOK: tl.constexpr,
+                  SOFT_FP8: tl.constexpr):
+    VB: tl.constexpr = D // 2 if FP4 else D
+    t = tl.program_id(0) * TOK + tl.arange(0, TOK)
+    tm = t < T
+    d = tl.arange(0, D)
+    x = tl.load(k_ptr + t.to(tl.int64)[:, None] * D + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+    slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
+    keep = tm & (slot >= 0) & (slot < NSLOT)
+    slot = tl.where(keep, slot, 0)
+    page = slot // BS
+    off = slot % BS
+    vals, sc = _quant_rows(x, TOK, D, FP4, POW2, SOFT_FP8)
+    vb = tl.arange(0, VB)
+    base = page * PAGE_STRIDE
+    tl.store(kv_ptr + (base + off * VB)[:, None] + vb[None, :], vals, mask=keep[:, None])
+    sidx = (base + BS * VB) // 4 + off
+    if FP4:
+        tl.store(kv_ptr.to(tl.pointer_type(tl.int32)) + sidx, sc, mask=keep)
+    else:
+        tl.store(kv_ptr.to(tl.pointer_type(tl.float32)) + sidx, sc, mask=keep)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit(do_not_specialize=["NOUT", "R", "NREQ", "MB", "BT_STRIDE", "NB_CACHE", "BS", "PAGE_STRIDE"],
+            do_not_specialize_on_alignment=["cu_ptr", "bt_ptr", "ksc_ptr"])
+def _gather_kernel(kv_ptr, bt_ptr, cu_ptr, k_ptr, ksc_ptr, NOUT, R, NREQ, MB, BT_STRIDE, NB_CACHE, BS,
+                   PAGE_STRIDE, VB: tl.constexpr, FP4: tl.constexpr, TOK: tl.constexpr, RC: tl.constexpr):
+    """Rows ``t`` of the packed output; request ``r`` = searchsorted(cummax(cu)[1:], t, right) clamped to
+    R - 1, as the reference computes it."""
+    t = tl.program_id(0) * TOK + tl.arange(0, TOK)
+    tm = t < NOUT
+    count = tl.zeros((TOK,), tl.int32)
+    start = tl.zeros((TOK,), tl.int32)  # cummax(cu)[r] for the row's r
+    carry = tl.max(tl.zeros((1,), tl.int32), axis=0)
+    last = carry
+    ri = tl.arange(0, RC)
+    for c0 in range(0, R + 1, RC):
+        idx = c0 + ri
+        v = tl.load(cu_ptr + idx, mask=idx <= R, other=0)
+        v = tl.maximum(v, 0)
+        v = tl.maximum(tl.associative_scan(v, 0, _max_combine), carry)
+        v = tl.where(idx <= R, v, 2147483647)
+        le = v[None, :] <= t[:, None]
+        count += tl.sum((le & (idx[None, :] >= 1)).to(tl.int32), axis=1)
+        start = tl.maximum(start, tl.max(tl.where(le | (idx[None, :] == 0), v[None, :], 0), axis=1))
+        carry = tl.max(tl.where(idx <= R, v, 0), axis=0)
+        last = tl.maximum(last, carry)
+    r = tl.minimum(count, R - 1)
+    inside = tm & (t < last)
+    p = t - start
+    bi = p // BS
+    ok = inside & (r < NREQ) & (p >= 0) & (bi < MB)
+    rr = tl.minimum(r, NREQ - 1)
+    page = tl.load(bt_ptr + rr.to(tl.int64) * BT_STRIDE + tl.where(ok, bi, 0), mask=ok, other=-1)
+    ok = ok & (page >= 0) & (page < NB_CACHE)
+    page = tl.where(ok, page, 0).to(tl.int64)
+    off = (p % BS).to(tl.int64)
+    vb = tl.arange(0, VB)
+    src = tl.load(kv_ptr + (page * PAGE_STRIDE + off * VB)[:, None] + vb[None, :], mask=ok[:, None], other=0)
+    tl.store(k_ptr + t.to(tl.int64)[:, None] * VB + vb[None, :], src, mask=inside[:, None])
+    sidx = (page * PAGE_STRIDE + BS * VB) // 4 + off
+    if FP4:
+        sc = tl.load(kv_ptr.to(tl.pointer_type(tl.int32)) + sidx, mask=ok, other=0)
+    else:
+        sc = tl.load(kv_ptr.to(tl.pointer_type(tl.float32)) + sidx, mask=ok, other=0.0)
+    tl.store(ksc_ptr + t, sc, mask=inside)
+
+
+@triton.jit(do_not_specialize=["M", "H", "W_STRIDE", "WS"],
+            do_not_specialize_on_alignment=["w_ptr", "wo_ptr", "qs_ptr"])
+def _quantize_q_kernel(q_ptr, w_ptr, qv_ptr, qs_ptr, wo_ptr, M, H, W_STRIDE, WS,
+                       D: tl.constexpr, FP4: tl.constexpr, TOK: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """Rows are (token, head) pairs ``m = t * H + h`` of ``q [T, H, D]``."""
+    VB: tl.constexpr = D // 2 if FP4 else D
+    m = tl.program_id(0) * TOK + tl.arange(0, TOK)
+    mm = m < M
+    d = tl.arange(0, D)
+    x = tl.load(q_ptr + m.to(tl.int64)[:, None] * D + d[None, :], mask=mm[:, None], other=0.0).to(tl.float32)
+    vals, sc = _quant_rows(x, TOK, D, FP4, True, SOFT_FP8)
+    vb = tl.arange(0, VB)
+    tl.store(qv_ptr + m.to(tl.int64)[:, None] * VB + vb[None, :], vals, mask=mm[:, None])
+    tt = m // H
+    hh = m % H
+    w = tl.load(w_ptr + tt.to(tl.int64) * W_STRIDE + hh, mask=mm, other=0.0).to(tl.float32)
+    if FP4:
+        tl.store(qs_ptr + m, sc, mask=mm)
+        tl.store(wo_ptr + m, w * WS, mask=mm)
+    else:
+        tl.store(wo_ptr + m, (w * sc) * WS, mask=mm)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Entry points (schema order) and support checks
+# ----------------------------------------------------------------------------------------------------
+
+def _geometry(kv_cache):
+    kv = formats.as_3d_cache(kv_cache)
+    nb, bs, bpt = kv.shape
+    return kv, nb, bs, bpt, kv.stride(0) if nb > 1 else bs * bpt
+
+
+def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
+    kv, nb, bs, bpt, stride = _geometry(kv_cache)
+    T, D = k.shape
+    if T == 0:
+        return
+    _write_kernel[(triton.cdiv(T, _TOK),)](k, slot_mapping, kv, T, nb * bs, bs, stride, D=D, FP4=fmt == "mxfp4",
+                                           POW2=bool(pow2_scale), TOK=_TOK, SOFT_FP8=_INTERPRET, num_warps=4)
+
+
+def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
+    kv, nb, bs, bpt, stride = _geometry(kv_cache)
+    N = k.shape[0]
+    R = cu_seq_lens.shape[0] - 1
+    if N == 0 or R <= 0:
+        return
+    kb = k.view(torch.uint8)
+    _gather_kernel[(triton.cdiv(N, _TOK),)](kv, block_table, cu_seq_lens, kb, k_scale, N, R, block_table.shape[0],
+                                            block_table.shape[1], block_table.stride(0), nb, bs, stride,
+                                            VB=bpt - 4, FP4=fmt == "mxfp4", TOK=_TOK, RC=128, num_warps=4)
+
+
+def quantize_q(q, weights, fmt, weight_scale):
+    T, H, D = q.shape
+    qc = q.contiguous()
+    fp4 = fmt == "mxfp4"
+    qv = torch.empty((T, H, D // 2 if fp4 else D), dtype=torch.uint8, device=q.device)
+    qs = torch.empty((T, H), dtype=torch.int32, device=q.device) if fp4 else None
+    wo = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    M = T * H
+    if M > 0:
+        w = weights if weights.stride(-1) == 1 or weights.shape[-1] <= 1 else weights.contiguous()
+        _quantize_q_kernel[(triton.cdiv(M, _TOK),)](qc, w, qv, qs if fp4 else wo, wo, M, H,
+                                                    w.stride(0) if w.dim() == 2 else H, float(weight_scale),
+                                                    D=D, FP4=fp4, TOK=_TOK, SOFT_FP8=_INTERPRET, num_warps=4)
+    if not fp4:
+        qv = qv.view(formats.FP8_DTYPE)
+    return qv, qs, wo
+
+
+def _supports_cuda(t):
+    if not t.is_cuda:
+        return "needs a CUDA tensor"
+    if torch.cuda.get_device_capability(t.device) < (9, 0):
+        return "needs SM90 or newer"
+    return None
+
+
+def _supports_cache(kv_cache):
+    kv = formats.as_3d_cache(kv_cache)
+    if (kv.storage_offset() % 4) != 0:
+        return "kv_cache must start 4-byte aligned"
+    return None
+
+
+def _supports_write(k, slot_mapping, kv_cache, fmt, pow2_scale):
+    return _supports_cuda(k) or _supports_cache(kv_cache)
+
+
+def _supports_gather(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
+    return _supports_cuda(kv_cache) or _supports_cache(kv_cache)
+
+
+def _supports_quantize_q(q, weights, fmt, weight_scale):
+    return _supports_cuda(q)
+
+
+def warmup(device, head_dim: int, fmt: str, k_dtypes=(torch.bfloat16,), slot_dtypes=(torch.int64, torch.int32),
+           weights_dtypes=(torch.float32,), pow2_scale=(True,)):
+    """Compile the cache kernels a configuration uses (tiny launches)."""
+    device = torch.device(device)
+    cache = formats.allocate_k_cache(4, 16, head_dim, fmt, device)
+    for kd in k_dtypes:
+        k = torch.randn(8, head_dim, device=device).to(kd)
+        for sd in slot_dtypes:
+            for p2 in pow2_scale:
+                write_k_cache(k, torch.arange(8, device=device, dtype=sd), cache, fmt, p2)
+        for wd in weights_dtypes:
+            quantize_q(torch.randn(2, 4, head_dim, device=device).to(kd), torch.randn(2, 4, device=device).to(wd),
+                       fmt, 1.0)
+    bt = torch.arange(4, dtype=torch.int32, device=device).view(2, 2)
+    cu = torch.tensor([0, 20, 30], dtype=torch.int32, device=device)
+    vb = formats.value_bytes(fmt, head_dim)
+    kout = torch.empty(32, vb, dtype=torch.uint8, device=device)
+    if fmt == "fp8":
+        kout = kout.view(formats.FP8_DTYPE)
+    gather_k(cache, bt, cu, kout, torch.empty(32, dtype=torch.float32 if fmt == "fp8" else torch.int32,
+                                              device=device), fmt)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def register() -> None:
+    backends.register("write_k_cache", "triton", write_k_cache, supports=_supports_write, priority=10)
+    backends.register("gather_k", "triton", gather_k, supports=_supports_gather, priority=10)
+    backends.register("quantize_q", "triton", quantize_q, supports=_supports_quantize_q, priority=10)

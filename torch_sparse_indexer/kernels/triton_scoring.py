@@ -1,0 +1,771 @@
+"""Triton scoring kernels (SM90 and SM100): ``mqa_logits``, ``paged_mqa_logits``, ``sparse_mqa_logits``,
+``paged_sparse_mqa_logits``.
+
+Math (SPEC section 2): ``logit[i, j] = s_j * sum_h w[i, h] * relu(q[i, h] . k[j])``, fp32 accumulation.
+
+* FP8: the e4m3 dot runs on the fp8 tensor cores (``tl.dot`` on ``float8e4nv``); the per-token K scale is
+  applied once after the head sum.
+* MXFP4 on SM90 (no FP4 MMA): every e2m1 nibble is re-encoded in-register as the e4m3 byte of
+  ``value * 2^-6`` (exact: e4m3 subnormals hold 0.5 * 2^-6), so the dot still runs on the fp8 tensor cores,
+  one K=32 MMA per 32-element scale group; each group's partial sum is scaled by ``2^(eq + ek)`` and
+  accumulated in fp32. The ``2^12`` of the re-encoding is folded into the weights (relu is positively
+  homogeneous). The cache is read at half the FP8 bytes.
+* MXFP4 on SM100 (``torch.cuda.get_device_capability() >= (10, 0)``): ``tl.dot_scaled`` with e2m1 operands
+  and the UE8M0 scale bytes (block-scaled MMA).
+
+Launch rules: every grid is a function of static shapes only; lengths, ``ks/ke``, block tables and candidate
+lists are read on the device and masked, following :mod:`torch_sparse_indexer.reference`'s clamping:
+``ks/ke`` clamped to ``[0, N]``, decode lengths to ``[0, max_blocks * block_size]``, a request index outside
+the block table gives a row of length 0, a page id outside the cache and a candidate id that is negative or
+starts at or past the row length score ``-inf``. Nothing is allocated and nothing reads a device value on the
+host. Integer arguments are not specialized (``do_not_specialize``), so the kernels a configuration uses are
+exactly those :func:`warmup` compiles.
+
+Sparse prefill shares K loads between neighbouring query rows: one program scores a *pair* of consecutive
+rows on the union of their candidate lists. Phase 1 walks row 0's list and scores both rows on each block
+(row 1 keeps the result where the block is in its own list, found by binary search); phase 2 walks the
+blocks of row 1's list that phase 1 did not cover, compacted on the device, so a block shared by both rows
+is loaded and multiplied once. Every output slot is written exactly once whatever the lists hold.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import backends, formats
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Nibble -> e4m3 re-encoding in PTX, four bytes per instruction sequence (the interpreter runs the
+# plain-Triton version of the same bit arithmetic).
+_USE_ASM = not _INTERPRET and os.environ.get("TSI_TRITON_NO_ASM", "0") != "1"
+
+_INT_ARGS = ["H", "NQ", "L", "OUT_STRIDE", "N", "NREQ", "MB", "BT_STRIDE", "NB_CACHE", "BS", "PAGE_STRIDE",
+             "NCAND", "CBS", "COLS", "W_STRIDE"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Device helpers
+# ----------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _lo_to_e4m3(b, USE_ASM: tl.constexpr):
+    """Low nibbles of uint8 ``b`` (e2m1 codes) -> e4m3 bytes of ``value * 2^-6``: magnitude bits 0-2 go to
+    bits 2-4 (exponent field = e2m1 exponent, subnormal for codes 0/1), sign bit 3 goes to bit 7."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; shl.b32 t, $1, 2; and.b32 t, t, 0x1C1C1C1C; shl.b32 $0, $1, 4; "
+            "and.b32 $0, $0, 0x80808080; or.b32 $0, $0, t; }",
+            "=r,r", [b], dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        return ((b & 7) << 2) | ((b & 8) << 4)
+
+
+@triton.jit
+def _hi_to_e4m3(b, USE_ASM: tl.constexpr):
+    """High nibbles of ``b`` -> e4m3 bytes of ``value * 2^-6`` (bits 4-6 -> 2-4, bit 7 stays)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; shr.b32 t, $1, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 $0, $1, 0x80808080; "
+            "or.b32 $0, $0, t; }",
+            "=r,r", [b], dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        return ((b >> 2) & 0x1C) | (b & 0x80)
+
+
+@triton.jit
+def _fp4_group_to_fp8(b, R: tl.constexpr, USE_ASM: tl.constexpr):
+    """``b [R, 16]`` packed e2m1 bytes (one 32-element group) -> ``[R, 32]`` e4m3 in element order."""
+    lo = _lo_to_e4m3(b, USE_ASM)
+    hi = _hi_to_e4m3(b, USE_ASM)
+    return tl.reshape(tl.join(lo, hi), (R, 32)).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _ue8m0(word, g: tl.constexpr):
+    """Byte ``g`` of an int32 scale word as the fp32 power of two ``2^(byte - 127)`` (byte 0: 2^-127)."""
+    e = (word >> (8 * g)) & 0xFF
+    bits = tl.where(e == 0, 0x00400000, e << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_bytes(word, G: tl.constexpr):
+    """``word [R]`` int32 -> ``[R, G]`` uint8 UE8M0 bytes (for ``tl.dot_scaled``)."""
+    sh = tl.arange(0, G) * 8
+    return ((word[:, None] >> sh[None, :]) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _load_q_fp8(q_ptr, qrow, qmask, D: tl.constexpr):
+    """``qrow [M]`` int64 byte offsets of query-head rows -> ``[M, D]`` e4m3 (masked rows 0)."""
+    d = tl.arange(0, D)
+    qrow = tl.multiple_of(qrow, 16)
+    v = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0)
+    return v.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _load_q_fp4_group(q_ptr, qrow, qmask, g: tl.constexpr, M: tl.constexpr, USE_ASM: tl.constexpr):
+    d = tl.arange(0, 16)
+    qrow = tl.multiple_of(qrow, 16)
+    b = tl.load(q_ptr + qrow[:, None] + g * 16 + d[None, :], mask=qmask[:, None], other=0)
+    return _fp4_group_to_fp8(b, M, USE_ASM)
+
+
+@triton.jit
+def _tile_scores(kv_ptr, koff, sc_ptr, sidx, kmask, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb, wv,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, MQ: tl.constexpr, FP4: tl.constexpr,
+                 DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
+    """Weighted-relu head terms of one K tile: returns ``(relu(q.k) * w [BLOCK_N, MQ], k_scale [BLOCK_N])``.
+
+    ``koff [BLOCK_N]`` int64 byte offsets of each token's values; its scale word is ``sc_ptr[sidx]`` (fp32 for
+    FP8, int32 UE8M0 bytes for MXFP4).
+    FP8: ``q8 [MQ, D]``. MXFP4 (SM90): per-group e4m3 queries ``qg* [MQ, 32]`` and their fp32 scales
+    ``sq* [MQ]``. MXFP4 (SM100): packed queries ``qp [MQ, D/2]`` and scale bytes ``qsb [MQ, D/32]``.
+    """
+    koff = tl.multiple_of(koff, 16)
+    if FP4:
+        word = tl.load(sc_ptr + sidx, mask=kmask, other=0)
+        if DOT_SCALED:
+            d = tl.arange(0, D // 2)
+            kb = tl.load(kv_ptr + koff[:, None] + d[None, :], mask=kmask[:, None], other=0)
+            acc = tl.dot_scaled(kb, _scale_bytes(word, D // 32), "e2m1", tl.trans(qp), qsb, "e2m1")
+        else:
+            d = tl.arange(0, 16)
+            kb = tl.load(kv_ptr + koff[:, None] + d[None, :], mask=kmask[:, None], other=0)
+            part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg0))
+            acc = part * (_ue8m0(word, 0)[:, None] * sq0[None, :])
+            kb = tl.load(kv_ptr + koff[:, None] + 16 + d[None, :], mask=kmask[:, None], other=0)
+            part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg1))
+            acc += part * (_ue8m0(word, 1)[:, None] * sq1[None, :])
+            if D == 128:
+                kb = tl.load(kv_ptr + koff[:, None] + 32 + d[None, :], mask=kmask[:, None], other=0)
+                part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg2))
+                acc += part * (_ue8m0(word, 2)[:, None] * sq2[None, :])
+                kb = tl.load(kv_ptr + koff[:, None] + 48 + d[None, :], mask=kmask[:, None], other=0)
+                part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg3))
+                acc += part * (_ue8m0(word, 3)[:, None] * sq3[None, :])
+        ksc = tl.full((BLOCK_N,), 1.0, tl.float32)
+    else:
+        d = tl.arange(0, D)
+        kb = tl.load(kv_ptr + koff[:, None] + d[None, :], mask=kmask[:, None], other=0)
+        acc = tl.dot(kb.to(tl.float8e4nv, bitcast=True), tl.trans(q8))
+        ksc = tl.load(sc_ptr + sidx, mask=kmask, other=0.0)
+    return tl.maximum(acc, 0.0) * wv[None, :], ksc
+
+
+@triton.jit
+def _load_queries(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr,
+                  DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
+    """Load the query operand(s) for ``MQ`` query-head rows (see :func:`_tile_scores`)."""
+    q8 = tl.zeros((16, 32), tl.uint8)  # placeholders for the operands a format does not use
+    qg0 = q8
+    qg1 = q8
+    qg2 = q8
+    qg3 = q8
+    one = tl.full((MQ,), 1.0, tl.float32)
+    sq0 = one
+    sq1 = one
+    sq2 = one
+    sq3 = one
+    qp = tl.zeros((16, 16), tl.uint8)
+    qsb = tl.zeros((16, 4), tl.uint8)
+    if FP4:
+        qw = tl.load(qs_ptr + qsidx, mask=qmask, other=0x7F7F7F7F)
+        if DOT_SCALED:
+            d = tl.arange(0, D // 2)
+            qp = tl.load(q_ptr + tl.multiple_of(qrow, 16)[:, None] + d[None, :], mask=qmask[:, None], other=0)
+            qsb = _scale_bytes(qw, D // 32)
+        else:
+            qg0 = _load_q_fp4_group(q_ptr, qrow, qmask, 0, MQ, USE_ASM)
+            qg1 = _load_q_fp4_group(q_ptr, qrow, qmask, 1, MQ, USE_ASM)
+            sq0 = _ue8m0(qw, 0)
+            sq1 = _ue8m0(qw, 1)
+            if D == 128:
+                qg2 = _load_q_fp4_group(q_ptr, qrow, qmask, 2, MQ, USE_ASM)
+                qg3 = _load_q_fp4_group(q_ptr, qrow, qmask, 3, MQ, USE_ASM)
+                sq2 = _ue8m0(qw, 2)
+                sq3 = _ue8m0(qw, 3)
+    else:
+        q8 = _load_q_fp8(q_ptr, qrow, qmask, D)
+    return q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel 1: one query row per program (decode, dense and sparse; prefill sparse fallback)
+# ----------------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=_INT_ARGS,
+            do_not_specialize_on_alignment=["w_ptr", "out_ptr", "a_ptr", "b_ptr", "bt_ptr", "req_ptr",
+                                            "cand_ptr", "qs_ptr"])
+def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, req_ptr, cand_ptr, out_ptr,
+                 H, L, OUT_STRIDE, N, NREQ, MB, BT_STRIDE, NB_CACHE, BS, PAGE_STRIDE, NCAND, CBS, COLS, W_STRIDE,
+                 HP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr,
+                 HAS_REQ: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
+    """Program (row, chunk): columns ``[chunk * COLS, (chunk + 1) * COLS)`` of one query row.
+
+    PAGED: ``a_ptr`` = context_lens, ``bt_ptr`` = block table, ``req_ptr`` = req_indices, ``kv_ptr`` = cache
+    bytes. Packed: ``a_ptr/b_ptr`` = ks/ke, ``kv_ptr`` = K value bytes, ``ksc_ptr`` = K scales.
+    """
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    VB: tl.constexpr = D // 2 if FP4 else D
+    if PAGED:
+        n = tl.load(a_ptr + row)
+        if HAS_REQ:
+            req = tl.load(req_ptr + row)
+        else:
+            req = row
+        n = tl.minimum(tl.maximum(n, 0), MB * BS)
+        n = tl.where((req >= 0) & (req < NREQ), n, 0)
+        req = tl.minimum(tl.maximum(req, 0), NREQ - 1)
+        ks_row = 0
+    else:
+        ks_row = tl.minimum(tl.maximum(tl.load(a_ptr + row), 0), N)
+        ke_row = tl.maximum(tl.minimum(tl.load(b_ptr + row), N), ks_row)
+        n = ke_row - ks_row
+        req = 0
+
+    h = tl.arange(0, HP)
+    hmask = h < H
+    qrow = (row.to(tl.int64) * H + h) * VB
+    q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
+        q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D, FP4, DOT_SCALED, USE_ASM)
+    wv = tl.load(w_ptr + row.to(tl.int64) * W_STRIDE + h, mask=hmask, other=0.0).to(tl.float32)
+    if FP4 and not DOT_SCALED:
+        wv = wv * 4096.0  # the 2^-6 * 2^-6 of the e4m3 re-encoding
+
+    c_lo = chunk * COLS
+    c_hi = tl.minimum(c_lo + COLS, L)
+    if SPARSE:
+        c_mid = c_hi
+    else:
+        # Dense rows: columns past the length only need -inf.
+        c_mid = tl.minimum(c_hi, tl.maximum(c_lo, n))
+    if PAGED:
+        # The scale words live in the cache pages (4-byte aligned: page stride % 4 == 0).
+        if FP4:
+            sc_base = kv_ptr.to(tl.pointer_type(tl.int32))
+        else:
+            sc_base = kv_ptr.to(tl.pointer_type(tl.float32))
+    else:
+        sc_base = ksc_ptr
+    out_row = out_ptr + row.to(tl.int64) * OUT_STRIDE
+    cand_row = cand_ptr + row.to(tl.int64) * NCAND
+    offs = tl.arange(0, BLOCK_N)
+    for c0 in tl.range(c_lo, c_mid, BLOCK_N, num_stages=NUM_STAGES):
+        cols = c0 + offs
+        cmask = cols < c_hi
+        if SPARSE:
+            blk = tl.load(cand_row + cols // CBS, mask=cmask, other=-1)
+            valid = cmask & (blk >= 0) & (blk < (n + CBS - 1) // CBS)
+            pos = tl.where(valid, blk * CBS + cols % CBS, 0)
+            valid = valid & (pos < n)
+        else:
+            pos = cols
+            valid = cmask & (pos < n)
+        if PAGED:
+            bi = tl.where(valid, pos // BS, 0)
+            page = tl.load(bt_ptr + req.to(tl.int64) * BT_STRIDE + bi, mask=valid, other=-1)
+            valid = valid & (page >= 0) & (page < NB_CACHE)
+            page = tl.where(valid, page, 0).to(tl.int64)
+            off = (pos % BS).to(tl.int64)
+            koff = page * PAGE_STRIDE + off * VB
+            sidx = (page * PAGE_STRIDE + BS * VB) // 4 + off
+            terms, ksc = _tile_scores(kv_ptr, koff, sc_base, sidx, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3,
+                                      qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM)
+        else:
+            key = tl.where(valid, ks_row + pos, 0).to(tl.int64)
+            terms, ksc = _tile_scores(kv_ptr, key * VB, ksc_ptr, key, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1,
+                                      sq2, sq3, qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM)
+        logit = tl.sum(terms, axis=1) * ksc
+        logit = tl.where(valid, logit, float("-inf"))
+        tl.store(out_row + cols, logit.to(out_ptr.dtype.element_ty), mask=cmask)
+    ninf = tl.full((BLOCK_N,), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
+    for c0 in range(c_lo + tl.cdiv(c_mid - c_lo, BLOCK_N) * BLOCK_N, c_hi, BLOCK_N):
+        cols = c0 + offs
+        tl.store(out_row + cols, ninf, mask=cols < c_hi)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel 2: dense prefill, a block of BQ query rows per program over absolute key windows
+# ----------------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=_INT_ARGS + ["NJ"],
+            do_not_specialize_on_alignment=["w_ptr", "out_ptr", "a_ptr", "b_ptr", "qs_ptr", "ksc_ptr"])
+def _prefill_dense_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, out_ptr,
+                          H, NQ, L, OUT_STRIDE, N, COLS, NJ, W_STRIDE,
+                          HP: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr,
+                          BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_SCALED: tl.constexpr,
+                          USE_ASM: tl.constexpr):
+    """Program (qb, j): rows ``[qb*BQ, qb*BQ + BQ)``. Valid scores are computed on absolute key windows
+    ``[kmin + w*COLS, kmin + (w+1)*COLS)`` for ``w = j, j + NJ, ...`` (kmin/kmax: the block's key span), so
+    every key tile is loaded once for all BQ rows and each output element has exactly one writer; ``-inf``
+    goes to columns ``[j*COLS, (j+1)*COLS)`` at or past each row's length."""
+    qb = tl.program_id(0)
+    j = tl.program_id(1)
+    VB: tl.constexpr = D // 2 if FP4 else D
+    MQ: tl.constexpr = BQ * HP
+    rb = qb * BQ + tl.arange(0, BQ)
+    rok = rb < NQ
+    ks = tl.minimum(tl.maximum(tl.load(a_ptr + rb, mask=rok, other=0), 0), N)
+    ke = tl.maximum(tl.minimum(tl.load(b_ptr + rb, mask=rok, other=0), N), ks)
+    ke = tl.where(rok, ke, ks)
+    n = ke - ks
+    has = n > 0
+    kmin = tl.min(tl.where(has, ks, N), axis=0)
+    kmax = tl.max(tl.where(has, ke, 0), axis=0)
+
+    i = tl.arange(0, MQ)
+    qr = qb * BQ + i // HP
+    hh = i % HP
+    qmask = (qr < NQ) & (hh < H)
+    qidx = qr.to(tl.int64) * H + hh
+    q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
+        q_ptr, qs_ptr, qidx * VB, qidx, qmask, MQ, D, FP4, DOT_SCALED, USE_ASM)
+    wv = tl.load(w_ptr + qr.to(tl.int64) * W_STRIDE + hh, mask=qmask, other=0.0).to(tl.float32)
+    if FP4 and not DOT_SCALED:
+        wv = wv * 4096.0
+
+    offs = tl.arange(0, BLOCK_N)
+    out_rows = out_ptr + rb.to(tl.int64) * OUT_STRIDE
+    w0 = kmin + j * COLS
+    while w0 < kmax:
+        w1 = tl.minimum(w0 + COLS, kmax)
+        for t0 in tl.range(w0, w1, BLOCK_N, num_stages=NUM_STAGES):
+            key = t0 + offs
+            kval = key < w1
+            key64 = tl.where(kval, key, 0).to(tl.int64)
+            terms, ksc = _tile_scores(k_ptr, key64 * VB, ksc_ptr, key64, kval, q8, qg0, qg1, qg2, qg3, sq0,
+                                      sq1, sq2, sq3, qp, qsb, wv, D, BLOCK_N, MQ, FP4, DOT_SCALED, USE_ASM)
+            s = tl.sum(tl.reshape(terms, (BLOCK_N, BQ, HP)), axis=2) * ksc[:, None]  # [BLOCK_N, BQ]
+            ok = kval[:, None] & (key[:, None] >= ks[None, :]) & (key[:, None] < ke[None, :])
+            col = key[:, None] - ks[None, :]
+            tl.store(out_rows[None, :] + col, s.to(out_ptr.dtype.element_ty), mask=ok)
+        w0 += NJ * COLS
+    # -inf past each row's length, in this program's column chunk.
+    ninf = tl.full((BQ, BLOCK_N), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
+    c_lo = j * COLS
+    c_hi = tl.minimum(c_lo + COLS, L)
+    nmin = tl.min(tl.where(rok, n, L), axis=0)
+    for c0 in range(tl.maximum(c_lo, (nmin // BLOCK_N) * BLOCK_N), c_hi, BLOCK_N):
+        cols = c0 + offs
+        m = rok[:, None] & (cols[None, :] < c_hi) & (cols[None, :] >= n[:, None])
+        tl.store(out_rows[:, None] + cols[None, :], ninf, mask=m)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel 3: sparse prefill, a pair of consecutive query rows per program on the union of their lists
+# ----------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _lower_bound(row_ptr, x, NCAND, LOG2: tl.constexpr):
+    """Vectorized lower bound of ``x`` in the candidate row (negative ids read as +inf)."""
+    lo = tl.zeros(x.shape, tl.int32)
+    cnt = tl.full(x.shape, 0, tl.int32) + NCAND
+    for _ in tl.static_range(LOG2 + 1):
+        half = cnt // 2
+        mid = lo + half
+        v = tl.load(row_ptr + tl.minimum(mid, NCAND - 1), mask=cnt > 0, other=0)
+        v = tl.where(v < 0, 2147483647, v)
+        go = (cnt > 0) & (v < x)
+        lo = tl.where(go, mid + 1, lo)
+        cnt = tl.where(go, cnt - half - 1, half)
+    return lo
+
+
+@triton.jit(do_not_specialize=_INT_ARGS,
+            do_not_specialize_on_alignment=["w_ptr", "out_ptr", "a_ptr", "b_ptr", "cand_ptr", "qs_ptr",
+                                            "ksc_ptr"])
+def _prefill_pair_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, cand_ptr, out_ptr,
+                         H, NQ, OUT_STRIDE, N, NCAND, CBS, W_STRIDE,
+                         HP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, BLOCK_N: tl.constexpr,
+                         CAND_P2: tl.constexpr, LOG2: tl.constexpr, NUM_STAGES: tl.constexpr,
+                         DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
+    """Program p: rows ``2p`` and ``2p + 1`` (sparse layout, ``NCAND`` slots of ``CBS`` columns each)."""
+    p = tl.program_id(0)
+    VB: tl.constexpr = D // 2 if FP4 else D
+    MQ: tl.constexpr = 2 * HP
+    r0 = 2 * p
+    r1 = r0 + 1
+    has1 = r1 < NQ
+    r1c = tl.minimum(r1, NQ - 1)
+    ks0 = tl.minimum(tl.maximum(tl.load(a_ptr + r0), 0), N)
+    n0 = tl.maximum(tl.minimum(tl.load(b_ptr + r0), N), ks0) - ks0
+    ks1 = tl.minimum(tl.maximum(tl.load(a_ptr + r1c), 0), N)
+    n1 = tl.maximum(tl.minimum(tl.load(b_ptr + r1c), N), ks1) - ks1
+    # Rows of different requests (different ks) share no K rows: row 1 then takes everything in phase 2.
+    pair = has1 & (ks0 == ks1)
+
+    i = tl.arange(0, MQ)
+    qr = tl.minimum(r0 + i // HP, NQ - 1)
+    hh = i % HP
+    qmask = (hh < H) & ((i < HP) | has1)
+    qidx = qr.to(tl.int64) * H + hh
+    q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
+        q_ptr, qs_ptr, qidx * VB, qidx, qmask, MQ, D, FP4, DOT_SCALED, USE_ASM)
+    wv = tl.load(w_ptr + qr.to(tl.int64) * W_STRIDE + hh, mask=qmask, other=0.0).to(tl.float32)
+    if FP4 and not DOT_SCALED:
+        wv = wv * 4096.0
+
+    c0_row = cand_ptr + r0.to(tl.int64) * NCAND
+    c1_row = cand_ptr + r1c.to(tl.int64) * NCAND
+    o0_row = out_ptr + r0.to(tl.int64) * OUT_STRIDE
+    o1_row = out_ptr + r1c.to(tl.int64) * OUT_STRIDE
+    nb0 = (n0 + CBS - 1) // CBS
+    nb1 = (n1 + CBS - 1) // CBS
+    offs = tl.arange(0, BLOCK_N)
+    L = NCAND * CBS
+
+    # Row 1's slot for each of row 0's slots (-1: not in row 1), for the whole list at once so the
+    # per-tile work is a register gather, not a chain of dependent loads.
+    si = tl.arange(0, CAND_P2)
+    b0v = tl.load(c0_row + si, mask=si < NCAND, other=-1)
+    j1v = _lower_bound(c1_row, tl.where(b0v < 0, 2147483647, b0v), NCAND, LOG2)
+    b1at = tl.load(c1_row + tl.minimum(j1v, NCAND - 1), mask=si < NCAND, other=-1)
+    map1 = tl.where(pair & (b0v >= 0) & (j1v < NCAND) & (b1at == b0v), j1v, -1)
+    nkey = tl.maximum(n0, tl.where(pair, n1, 0))
+
+    # Phase 1: row 0's slots, both rows scored on each block.
+    for c0 in tl.range(0, L, BLOCK_N, num_stages=NUM_STAGES):
+        cols = c0 + offs
+        cmask = cols < L
+        slot = cols // CBS
+        t = cols % CBS
+        blk = tl.load(c0_row + slot, mask=cmask, other=-1)
+        j1 = tl.gather(map1, tl.minimum(slot, CAND_P2 - 1), 0)
+        in1 = cmask & (j1 >= 0)
+        # K rows are loaded for either row's range (row 1's mapping only decides where its score goes).
+        kval = cmask & (blk >= 0) & (blk < (nkey + CBS - 1) // CBS)
+        pos = tl.where(kval, blk * CBS + t, 0)
+        kval = kval & (pos < nkey)
+        v0 = kval & (pos < n0)
+        v1 = in1 & kval & (pos < n1)
+        key = tl.where(kval, ks0 + pos, 0).to(tl.int64)
+        terms, ksc = _tile_scores(k_ptr, key * VB, ksc_ptr, key, kval, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2,
+                                  sq3, qp, qsb, wv, D, BLOCK_N, MQ, FP4, DOT_SCALED, USE_ASM)
+        s = tl.sum(tl.reshape(terms, (BLOCK_N, 2, HP)), axis=2) * ksc[:, None]
+        s0, s1 = tl.split(s)
+        tl.store(o0_row + cols, tl.where(v0, s0, float("-inf")).to(out_ptr.dtype.element_ty), mask=cmask)
+        c1 = j1 * CBS + t
+        tl.store(o1_row + c1, tl.where(v1, s1, float("-inf")).to(out_ptr.dtype.element_ty), mask=in1)
+
+    # Phase 2: row 1's slots not written by phase 1, compacted. Slot i of row 1 was written iff its block is
+    # found in row 0 at j = lower_bound and row 0's block j maps back to slot i.
+    simask = has1 & (si < NCAND)
+    b1v = tl.load(c1_row + si, mask=simask, other=-1)
+    j0 = _lower_bound(c0_row, tl.where(b1v < 0, 2147483647, b1v), NCAND, LOG2)
+    b0 = tl.load(c0_row + tl.minimum(j0, NCAND - 1), mask=simask, other=-1)
+    back = _lower_bound(c1_row, tl.where(b0 < 0, 2147483647, b0), NCAND, LOG2)
+    done = pair & (b1v >= 0) & (j0 < NCAND) & (b0 == b1v) & (back == si)
+    todo = simask & ~done
+    incl = tl.cumsum(todo.to(tl.int32), axis=0)
+    m = tl.sum(todo.to(tl.int32), axis=0)
+    SPT: tl.constexpr = BLOCK_N // 8  # at most this many slots per tile (cbs >= 8, BLOCK_N >= cbs)
+    jj = tl.arange(0, SPT)
+    for s0i in range(0, m * CBS, BLOCK_N):
+        cols = s0i + offs  # compacted column index
+        k = cols // CBS
+        t = cols % CBS
+        cmask = k < m
+        # Slot of the k-th to-do entry = number of slots whose inclusive count is <= k; computed for the
+        # tile's few distinct k, then spread to its columns.
+        kb0 = s0i // CBS
+        slj = tl.sum((incl[None, :] <= (kb0 + jj)[:, None]).to(tl.int32), axis=1)  # [SPT]
+        sl = tl.sum(tl.where((k - kb0)[:, None] == jj[None, :], slj[None, :], 0), axis=1)
+        sl = tl.minimum(sl, NCAND - 1)
+        blk = tl.load(c1_row + sl, mask=cmask, other=-1)
+        v1 = cmask & (blk >= 0) & (blk < nb1)
+        pos = tl.where(v1, blk * CBS + t, 0)
+        v1 = v1 & (pos < n1)
+        key = tl.where(v1, ks1 + pos, 0).to(tl.int64)
+        terms, ksc = _tile_scores(k_ptr, key * VB, ksc_ptr, key, v1, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2,
+                                  sq3, qp, qsb, wv, D, BLOCK_N, MQ, FP4, DOT_SCALED, USE_ASM)
+        s = tl.sum(tl.reshape(terms, (BLOCK_N, 2, HP)), axis=2) * ksc[:, None]
+        s0, s1 = tl.split(s)
+        tl.store(o1_row + sl * CBS + t, tl.where(v1, s1, float("-inf")).to(out_ptr.dtype.element_ty),
+                 mask=cmask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch configuration (static facts only) and launchers
+# ----------------------------------------------------------------------------------------------------
+
+def _dot_scaled_default(device) -> bool:
+    if _INTERPRET or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (10, 0)
+
+
+_FORCE_DOT_SCALED: bool | None = None  # tests set this to run the SM100 code path where it is emulated
+
+
+def _use_dot_scaled(device) -> bool:
+    return _dot_scaled_default(device) if _FORCE_DOT_SCALED is None else _FORCE_DOT_SCALED
+
+
+def _heads_pad(H: int) -> int:
+    return max(16, triton.next_power_of_2(H))
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# Benchmarks may override a launch configuration per kernel family ("rows", "prefill_dense", "pair") to
+# compare alternatives; the defaults below are what the library launches (fixed, so results never depend
+# on timing-based tuning).
+CONFIG_OVERRIDES: dict = {}
+
+
+def _rows_config(HP: int, fp4: bool):
+    if "rows" in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES["rows"]
+    return 64, 4, 3  # BLOCK_N, warps, stages
+
+
+def _chunk_cols(rows: int, width: int, block_n: int, sms: int, waves: int = 32, min_tiles: int = 4) -> int:
+    """Columns per program: about ``waves`` programs per SM (so the last wave's tail is a small fraction),
+    at least ``min_tiles`` tiles each."""
+    cols = triton.cdiv(max(1, rows * width), max(1, sms * waves))
+    cols = max(min_tiles * block_n, triton.cdiv(cols, block_n) * block_n)
+    return min(cols, max(block_n, triton.cdiv(width, block_n) * block_n))
+
+
+def _q_bytes(q):
+    return q.view(torch.uint8) if q.dtype != torch.uint8 else q
+
+
+def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale=None, ks=None, ke=None,
+                 context_lens=None, block_table=None, req_indices=None, candidate_blocks=None, cbs=1,
+                 block_size=1, num_cache_blocks=1, page_stride=0):
+    fp4 = q.dtype != formats.FP8_DTYPE
+    R, H, dq = q.shape
+    D = dq * 2 if fp4 else dq
+    L = logits.shape[1]
+    if R == 0 or L == 0:
+        return
+    HP = _heads_pad(H)
+    block_n, warps, stages = _rows_config(HP, fp4)
+    cols = _chunk_cols(R, L, block_n, _num_sms(q.device))
+    grid = (R, triton.cdiv(L, cols))
+    dummy = context_lens if paged else ks
+    if paged:
+        a, b = context_lens, context_lens
+        bt = block_table
+        req = req_indices if req_indices is not None else context_lens
+        nreq, mb, bt_stride = block_table.shape[0], block_table.shape[1], block_table.stride(0)
+        kscale = dummy
+        N = 0
+    else:
+        a, b = ks, ke
+        bt = req = dummy
+        nreq, mb, bt_stride = 1, 1, 0
+        kscale = k_scale
+        N = kv.shape[0]
+    cand = candidate_blocks if sparse else dummy
+    ncand = candidate_blocks.shape[1] if sparse else 1
+    _rows_kernel[grid](
+        _q_bytes(q), q_scale if q_scale is not None else dummy, weights, kv, kscale, a, b, bt, req, cand, logits,
+        H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, block_size, page_stride, ncand, cbs,
+        cols, weights.stride(0),
+        HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
+        BLOCK_N=block_n, NUM_STAGES=stages, DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM,
+        num_warps=warps)
+
+
+def _prefill_dense_config(HP: int, fp4: bool):
+    bq = max(1, 128 // HP)
+    if "prefill_dense" in CONFIG_OVERRIDES:
+        return (bq,) + tuple(CONFIG_OVERRIDES["prefill_dense"])
+    # FP8: one warpgroup per CTA at ~164 registers lets three CTAs share an SM, so one CTA's epilogue
+    # (relu, weights, head sum) overlaps another's MMAs. MXFP4: 8 warps keep the four group accumulators
+    # out of local memory (4 warps spill).
+    return (bq, 64, 8, 3) if fp4 else (bq, 64, 4, 3)  # BQ, BLOCK_N, warps, stages
+
+
+def _launch_prefill_dense(q, q_scale, k, k_scale, weights, ks, ke, logits):
+    fp4 = q.dtype != formats.FP8_DTYPE
+    T, H, dq = q.shape
+    D = dq * 2 if fp4 else dq
+    L = logits.shape[1]
+    if T == 0 or L == 0:
+        return
+    HP = _heads_pad(H)
+    bq, block_n, warps, stages = _prefill_dense_config(HP, fp4)
+    nqb = triton.cdiv(T, bq)
+    cols = _chunk_cols(nqb, L, block_n, _num_sms(q.device), waves=64, min_tiles=8)
+    nj = triton.cdiv(L, cols)
+    _prefill_dense_kernel[(nqb, nj)](
+        _q_bytes(q), q_scale if q_scale is not None else ks, weights, _q_bytes(k), k_scale, ks, ke, logits,
+        H, T, L, logits.stride(0), k.shape[0], cols, nj, weights.stride(0),
+        HP=HP, BQ=bq, D=D, FP4=fp4, BLOCK_N=block_n, NUM_STAGES=stages,
+        DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, num_warps=warps)
+
+
+def _pair_config(HP: int, fp4: bool):
+    if "pair" in CONFIG_OVERRIDES:
+        return CONFIG_OVERRIDES["pair"]
+    return 64, 8, 3  # BLOCK_N, warps, stages
+
+
+# Beyond this many candidate slots, phase 2's in-register compaction would not fit: use the row kernel.
+_PAIR_MAX_CAND = 4096
+
+
+def _launch_prefill_sparse(q, q_scale, k, k_scale, weights, ks, ke, candidate_blocks, cbs, logits, pair=None):
+    fp4 = q.dtype != formats.FP8_DTYPE
+    T, H, dq = q.shape
+    D = dq * 2 if fp4 else dq
+    ncand = candidate_blocks.shape[1]
+    if T == 0:
+        return
+    HP = _heads_pad(H)
+    if pair is None:
+        pair = ncand <= _PAIR_MAX_CAND and HP <= 64 and T >= 2
+    if not pair:
+        _launch_rows(q, q_scale, weights, logits, paged=False, sparse=True, kv=_q_bytes(k), k_scale=k_scale,
+                     ks=ks, ke=ke, candidate_blocks=candidate_blocks, cbs=cbs)
+        return
+    block_n, warps, stages = _pair_config(HP, fp4)
+    p2 = triton.next_power_of_2(ncand)
+    _prefill_pair_kernel[(triton.cdiv(T, 2),)](
+        _q_bytes(q), q_scale if q_scale is not None else ks, weights, _q_bytes(k), k_scale, ks, ke,
+        candidate_blocks, logits, H, T, logits.stride(0), k.shape[0], ncand, cbs, weights.stride(0),
+        HP=HP, D=D, FP4=fp4, BLOCK_N=block_n, CAND_P2=p2, LOG2=max(1, p2.bit_length() - 1),
+        NUM_STAGES=stages, DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, num_warps=warps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Op entry points (positional arguments in schema order) and their support checks
+# ----------------------------------------------------------------------------------------------------
+
+def _cache_geometry(kv_cache):
+    kv = formats.as_3d_cache(kv_cache)
+    nb, bs, _ = kv.shape
+    return kv, nb, bs, kv.stride(0) if nb > 1 else kv.shape[1] * kv.shape[2]
+
+
+def mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, logits):
+    _launch_prefill_dense(q, q_scale, k, k_scale, weights, ks, ke, logits)
+
+
+def sparse_mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, candidate_blocks, cbs, logits):
+    _launch_prefill_sparse(q, q_scale, k, k_scale, weights, ks, ke, candidate_blocks, cbs, logits)
+
+
+def paged_mqa_logits(q, q_scale, kv_cache, weights, context_lens, block_table, req_indices, logits):
+    kv, nb, bs, stride = _cache_geometry(kv_cache)
+    _launch_rows(q, q_scale, weights, logits, paged=True, sparse=False, kv=kv, context_lens=context_lens,
+                 block_table=block_table, req_indices=req_indices, block_size=bs, num_cache_blocks=nb,
+                 page_stride=stride)
+
+
+def paged_sparse_mqa_logits(q, q_scale, kv_cache, weights, context_lens, block_table, req_indices,
+                            candidate_blocks, cbs, logits):
+    kv, nb, bs, stride = _cache_geometry(kv_cache)
+    _launch_rows(q, q_scale, weights, logits, paged=True, sparse=True, kv=kv, context_lens=context_lens,
+                 block_table=block_table, req_indices=req_indices, candidate_blocks=candidate_blocks, cbs=cbs,
+                 block_size=bs, num_cache_blocks=nb, page_stride=stride)
+
+
+def _aligned(t, nbytes=16) -> bool:
+    return (t.storage_offset() * t.element_size()) % nbytes == 0
+
+
+def _common_supports(q, tensors):
+    if not q.is_cuda:
+        return "needs a CUDA tensor"
+    if torch.cuda.get_device_capability(q.device) < (9, 0):
+        return "needs SM90 or newer"
+    if not _aligned(q):
+        return "q must start 16-byte aligned"
+    for name, t in tensors.items():
+        if t is not None and t.dim() > 1 and t.stride(-1) != 1:
+            return f"{name} must have stride(-1) == 1"
+    return None
+
+
+def _supports_packed(q, q_scale, k, k_scale, weights, ks, ke, *rest):
+    why = _common_supports(q, {"weights": weights})
+    if why:
+        return why
+    if not _aligned(k):
+        return "k must start 16-byte aligned"
+    return None
+
+
+def _supports_paged(q, q_scale, kv_cache, weights, *rest):
+    why = _common_supports(q, {"weights": weights})
+    if why:
+        return why
+    kv = formats.as_3d_cache(kv_cache)
+    if not _aligned(kv) or (kv.shape[0] > 1 and kv.stride(0) % 16 != 0):
+        return "kv_cache pages must start 16-byte aligned (page stride % 16 == 0)"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Warmup: compile every variant a configuration can launch, before any CUDA-graph capture
+# ----------------------------------------------------------------------------------------------------
+
+def warmup(device, num_heads: int, head_dim: int, fmt: str, block_size: int = 64, cbs: int = 8,
+           weights_dtypes=(torch.float32,), logits_dtypes=(torch.float32,), ops=None, candidate_slots=None):
+    """Launch every scoring kernel variant the configuration can use on tiny inputs (compiles them).
+
+    Variants depend on (fmt, head_dim, padded heads, weights dtype, logits dtype, with/without req_indices,
+    pair/row sparse prefill); integer sizes are not specialized, so any later shape reuses these binaries.
+    """
+    from .. import testing
+    device = torch.device(device)
+    ops = ops or ("mqa_logits", "sparse_mqa_logits", "paged_mqa_logits", "paged_sparse_mqa_logits")
+    H, D = num_heads, head_dim
+    T = 4
+    qs = testing.make_queries(T, H, D, fmt, device=device)
+    kv_vals, kv_sc = testing.make_packed_k(64, D, fmt, device=device)
+    case = testing.make_paged_cache([40, 64, 8, 30], block_size, D, fmt, device=device)
+    ks = torch.zeros(T, dtype=torch.int32, device=device)
+    ke = torch.full((T,), 40, dtype=torch.int32, device=device)
+    lens = torch.tensor([40, 64, 8, 30], dtype=torch.int32, device=device)
+    nslots = [4] + ([candidate_slots] if candidate_slots else [])
+    for wd in weights_dtypes:
+        w = qs.weights.to(wd)
+        for ld in logits_dtypes:
+            if "mqa_logits" in ops:
+                mqa_logits(qs.q, qs.q_scale, kv_vals, kv_sc, w, ks, ke, torch.empty(T, 64, dtype=ld, device=device))
+            for ns in nslots:
+                cand = testing.random_candidates([40] * T, ns, cbs, device=device)
+                out = torch.empty(T, ns * cbs, dtype=ld, device=device)
+                if "sparse_mqa_logits" in ops:
+                    for pair in (True, False):
+                        _launch_prefill_sparse(qs.q, qs.q_scale, kv_vals, kv_sc, w, ks, ke, cand, cbs, out, pair)
+                if "paged_sparse_mqa_logits" in ops:
+                    for req in (None, torch.arange(T, dtype=torch.int32, device=device)):
+                        paged_sparse_mqa_logits(qs.q, qs.q_scale, case.kv_cache, w, lens, case.block_table, req,
+                                                cand, cbs, out)
+            if "paged_mqa_logits" in ops:
+                for req in (None, torch.arange(T, dtype=torch.int32, device=device)):
+                    paged_mqa_logits(qs.q, qs.q_scale, case.kv_cache, w, lens, case.block_table, req,
+                                     torch.empty(T, 64, dtype=ld, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def register() -> None:
+    backends.register("mqa_logits", "triton", mqa_logits, supports=_supports_packed, priority=10)
+    backends.register("sparse_mqa_logits", "triton", sparse_mqa_logits, supports=_supports_packed, priority=10)
+    backends.register("paged_mqa_logits", "triton", paged_mqa_logits, supports=_supports_paged, priority=10)
+    backends.register("paged_sparse_mqa_logits", "triton", paged_sparse_mqa_logits, supports=_supports_paged,
+                      priority=10)
