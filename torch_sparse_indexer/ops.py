@@ -149,6 +149,8 @@ def _validate_cache(kv_cache, fmt, D=None):
         raise ValueError(f"kv_cache: expected a 4-D view [num_blocks, block_size, 1, bytes], got shape {list(kv_cache.shape)}")
     kv = formats.as_3d_cache(kv_cache)
     nb, bs, bpt = kv.shape
+    if nb < 1:
+        raise ValueError(f"kv_cache: expected at least one block (dim 0), got shape {list(kv_cache.shape)}")
     if bs not in formats.CACHE_BLOCK_SIZES:
         raise ValueError(f"kv_cache: expected block_size (dim 1) in {formats.CACHE_BLOCK_SIZES}, got {bs}")
     dc = formats.head_dim_from_bytes(fmt, bpt)
@@ -182,8 +184,8 @@ def _validate_logits(logits, rows, width=None):
 def _validate_block_table(block_table):
     _tensor("block_table", block_table, dtypes=_INT32, ndim=2)
     _last_dim_contig("block_table", block_table)
-    if block_table.shape[1] < 1:
-        raise ValueError(f"block_table: expected at least one column, got shape {list(block_table.shape)}")
+    if block_table.shape[0] < 1 or block_table.shape[1] < 1:
+        raise ValueError(f"block_table: expected at least one row and one column, got shape {list(block_table.shape)}")
 
 
 def _validate_decode(q, q_scale, kv_cache, weights, context_lens, block_table, req_indices):
@@ -358,7 +360,7 @@ def _validate_indexer_decode(q, q_scale, kv_cache, weights, context_lens, block_
     _, R, H, D, bs = _validate_decode(q, q_scale, kv_cache, weights, context_lens, block_table, req_indices)
     _static_int("max_context", max_context, lo=1)
     _validate_topk_out(topk_indices, R, topk, "topk_indices", "topk")
-    _validate_publish(candidate_blocks, R, cbs)
+    _validate_publish(candidate_blocks, R, cbs, bs)
     _validate_workspace(ws, max_context)
     _same_device(q=q, q_scale=q_scale, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
                  block_table=block_table, req_indices=req_indices, workspace=ws, topk_indices=topk_indices,
