@@ -17,7 +17,8 @@ import triton.language as tl
 from .. import backends, formats
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_TOK = 32  # tokens (or query-head rows) per program
+_TOK = 64  # tokens (or query-head rows) per program (write, quantize)
+_GTOK = 128  # rows per program (gather: amortizes the request search)
 
 
 @triton.jit
@@ -32,8 +33,9 @@ def _pow2_ceil(s):
 
 @triton.jit
 def _e4m3_rne_bytes(x):
-    """fp32 -> e4m3fn bytes, round to nearest even, saturating at 448, in integer arithmetic. Only the
-    interpreter uses it (its fp8 cast does not round like the hardware's ``cvt.rn.satfinite``)."""
+    """fp32 -> e4m3fn bytes, round to nearest even, saturating at 448, in integer arithmetic: exactly
+    torch's ``.to(float8_e4m3fn)`` for |x| <= 448 (triton's fp8 cast on the H200 was seen to differ from it
+    in a few bytes per thousand tokens, and the interpreter's cast does not round at all)."""
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     a = bits & 0x7FFFFFFF
@@ -111,9 +113,11 @@ def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, BS, PAGE_STRIDE,
     off = slot % BS
     vals, sc = _quant_rows(x, TOK, D, FP4, POW2, SOFT_FP8)
     vb = tl.arange(0, VB)
-    base = page * PAGE_STRIDE
-    tl.store(kv_ptr + (base + off * VB)[:, None] + vb[None, :], vals, mask=keep[:, None])
-    sidx = (base + BS * VB) // 4 + off
+    # Offsets built as multiples of 16 (page stride % 16 == 0 is checked on the host) so the stores are
+    # 16-byte vectors; a multiple_of hint on the runtime stride does not carry through the product.
+    row = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
+    tl.store(kv_ptr + row[:, None] + vb[None, :], vals, mask=keep[:, None])
+    sidx = (page * (PAGE_STRIDE // 4) + BS * (VB // 4)) + off
     if FP4:
         tl.store(kv_ptr.to(tl.pointer_type(tl.int32)) + sidx, sc, mask=keep)
     else:
@@ -160,9 +164,10 @@ def _gather_kernel(kv_ptr, bt_ptr, cu_ptr, k_ptr, ksc_ptr, NOUT, R, NREQ, MB, BT
     page = tl.where(ok, page, 0).to(tl.int64)
     off = (p % BS).to(tl.int64)
     vb = tl.arange(0, VB)
-    src = tl.load(kv_ptr + (page * PAGE_STRIDE + off * VB)[:, None] + vb[None, :], mask=ok[:, None], other=0)
+    row = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
+    src = tl.load(kv_ptr + row[:, None] + vb[None, :], mask=ok[:, None], other=0)
     tl.store(k_ptr + t.to(tl.int64)[:, None] * VB + vb[None, :], src, mask=inside[:, None])
-    sidx = (page * PAGE_STRIDE + BS * VB) // 4 + off
+    sidx = (page * (PAGE_STRIDE // 4) + BS * (VB // 4)) + off
     if FP4:
         sc = tl.load(kv_ptr.to(tl.pointer_type(tl.int32)) + sidx, mask=ok, other=0)
     else:
@@ -209,7 +214,7 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     if T == 0:
         return
     _write_kernel[(triton.cdiv(T, _TOK),)](k, slot_mapping, kv, T, nb * bs, bs, stride, D=D, FP4=fmt == "mxfp4",
-                                           POW2=bool(pow2_scale), TOK=_TOK, SOFT_FP8=_INTERPRET, num_warps=4)
+                                           POW2=bool(pow2_scale), TOK=_TOK, SOFT_FP8=True, num_warps=4)
 
 
 def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
@@ -219,9 +224,9 @@ def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
     if N == 0 or R <= 0:
         return
     kb = k.view(torch.uint8)
-    _gather_kernel[(triton.cdiv(N, _TOK),)](kv, block_table, cu_seq_lens, kb, k_scale, N, R, block_table.shape[0],
-                                            block_table.shape[1], block_table.stride(0), nb, bs, stride,
-                                            VB=bpt - 4, FP4=fmt == "mxfp4", TOK=_TOK, RC=128, num_warps=4)
+    _gather_kernel[(triton.cdiv(N, _GTOK),)](kv, block_table, cu_seq_lens, kb, k_scale, N, R, block_table.shape[0],
+                                             block_table.shape[1], block_table.stride(0), nb, bs, stride,
+                                             VB=bpt - 4, FP4=fmt == "mxfp4", TOK=_GTOK, RC=128, num_warps=4)
 
 
 def quantize_q(q, weights, fmt, weight_scale):
@@ -236,7 +241,7 @@ def quantize_q(q, weights, fmt, weight_scale):
         w = weights if weights.stride(-1) == 1 or weights.shape[-1] <= 1 else weights.contiguous()
         _quantize_q_kernel[(triton.cdiv(M, _TOK),)](qc, w, qv, qs if fp4 else wo, wo, M, H,
                                                     w.stride(0) if w.dim() == 2 else H, float(weight_scale),
-                                                    D=D, FP4=fp4, TOK=_TOK, SOFT_FP8=_INTERPRET, num_warps=4)
+                                                    D=D, FP4=fp4, TOK=_TOK, SOFT_FP8=True, num_warps=4)
     if not fp4:
         qv = qv.view(formats.FP8_DTYPE)
     return qv, qs, wo
@@ -252,8 +257,8 @@ def _supports_cuda(t):
 
 def _supports_cache(kv_cache):
     kv = formats.as_3d_cache(kv_cache)
-    if (kv.storage_offset() % 4) != 0:
-        return "kv_cache must start 4-byte aligned"
+    if kv.storage_offset() % 16 != 0 or (kv.shape[0] > 1 and kv.stride(0) % 16 != 0):
+        return "kv_cache pages must start 16-byte aligned (page stride % 16 == 0)"
     return None
 
 

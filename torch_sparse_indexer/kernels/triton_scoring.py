@@ -152,8 +152,10 @@ def _tile_scores(kv_ptr, koff, sc_ptr, sidx, kmask, q8, qg0, qg1, qg2, qg3, sq0,
         ksc = tl.full((BLOCK_N,), 1.0, tl.float32)
     else:
         d = tl.arange(0, D)
-        kb = tl.load(kv_ptr + koff[:, None] + d[None, :], mask=kmask[:, None], other=0)
-        acc = tl.dot(kb.to(tl.float8e4nv, bitcast=True), tl.trans(q8))
+        # Loaded as e4m3 (not bytes then bitcast) so the pipeliner streams it into shared memory for the MMA.
+        kb = tl.load(kv_ptr.to(tl.pointer_type(tl.float8e4nv)) + koff[:, None] + d[None, :], mask=kmask[:, None],
+                     other=0.0)
+        acc = tl.dot(kb, tl.trans(q8))
         ksc = tl.load(sc_ptr + sidx, mask=kmask, other=0.0)
     return tl.maximum(acc, 0.0) * wv[None, :], ksc
 
@@ -203,11 +205,12 @@ def _load_queries(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.con
             do_not_specialize_on_alignment=["w_ptr", "out_ptr", "a_ptr", "b_ptr", "bt_ptr", "req_ptr",
                                             "cand_ptr", "qs_ptr"])
 def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, req_ptr, cand_ptr, out_ptr,
-                 H, L, OUT_STRIDE, N, NREQ, MB, BT_STRIDE, NB_CACHE, BS, PAGE_STRIDE, NCAND, CBS, COLS, W_STRIDE,
+                 H, L, OUT_STRIDE, N, NREQ, MB, BT_STRIDE, NB_CACHE, BS, PAGE_STRIDE, NCAND, CBS, W_STRIDE,
                  HP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr,
-                 HAS_REQ: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 HAS_REQ: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
                  DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
-    """Program (row, chunk): columns ``[chunk * COLS, (chunk + 1) * COLS)`` of one query row.
+    """Program (row, chunk): columns ``[chunk * COLS, (chunk + 1) * COLS)``, ``COLS = TILES * BLOCK_N``, of one
+    query row.
 
     PAGED: ``a_ptr`` = context_lens, ``bt_ptr`` = block table, ``req_ptr`` = req_indices, ``kv_ptr`` = cache
     bytes. Packed: ``a_ptr/b_ptr`` = ks/ke, ``kv_ptr`` = K value bytes, ``ksc_ptr`` = K scales.
@@ -240,6 +243,7 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     if FP4 and not DOT_SCALED:
         wv = wv * 4096.0  # the 2^-6 * 2^-6 of the e4m3 re-encoding
 
+    COLS: tl.constexpr = TILES * BLOCK_N
     c_lo = chunk * COLS
     c_hi = tl.minimum(c_lo + COLS, L)
     if SPARSE:
@@ -257,26 +261,48 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
         sc_base = ksc_ptr
     out_row = out_ptr + row.to(tl.int64) * OUT_STRIDE
     cand_row = cand_ptr + row.to(tl.int64) * NCAND
+    bt_row = bt_ptr + req.to(tl.int64) * BT_STRIDE
     offs = tl.arange(0, BLOCK_N)
+    # The program's candidate ids and page ids are loaded once, before the loop: inside it the K tile's
+    # addresses then come from register gathers, not from a load in the same iteration, so the pipeliner
+    # streams K tiles ahead (an in-loop index load made it fall back to a synchronous K load).
+    if SPARSE:
+        NS: tl.constexpr = TILES * BLOCK_N // 8  # cbs >= 8
+        s0 = c_lo // CBS
+        sl = s0 + tl.arange(0, NS)
+        blkv = tl.load(cand_row + sl, mask=sl < tl.minimum(NCAND, tl.cdiv(c_hi, CBS)), other=-1)
+        bval = (blkv >= 0) & (blkv < (n + CBS - 1) // CBS)
+        if PAGED:
+            pagev = tl.load(bt_row + tl.where(bval, (blkv * CBS) // BS, 0), mask=bval, other=-1)
+    else:
+        if PAGED:
+            NPG: tl.constexpr = TILES * BLOCK_N // 8  # >= pages a chunk can touch (block_size >= 16)
+            p0 = c_lo // BS
+            pi = p0 + tl.arange(0, NPG)
+            pagev = tl.load(bt_row + pi, mask=(pi < MB) & (pi * BS < tl.minimum(n, c_hi)), other=-1)
     for c0 in tl.range(c_lo, c_mid, BLOCK_N, num_stages=NUM_STAGES):
         cols = c0 + offs
         cmask = cols < c_hi
         if SPARSE:
-            blk = tl.load(cand_row + cols // CBS, mask=cmask, other=-1)
-            valid = cmask & (blk >= 0) & (blk < (n + CBS - 1) // CBS)
+            li = tl.minimum((cols - c_lo) // CBS, NS - 1)
+            blk = tl.gather(blkv, li, 0)
+            valid = cmask & tl.gather(bval.to(tl.int32), li, 0).to(tl.int1)
             pos = tl.where(valid, blk * CBS + cols % CBS, 0)
             valid = valid & (pos < n)
+            if PAGED:
+                page = tl.gather(pagev, li, 0)
         else:
             pos = cols
             valid = cmask & (pos < n)
+            if PAGED:
+                page = tl.gather(pagev, tl.minimum(tl.maximum(cols // BS - p0, 0), NPG - 1), 0)
         if PAGED:
-            bi = tl.where(valid, pos // BS, 0)
-            page = tl.load(bt_ptr + req.to(tl.int64) * BT_STRIDE + bi, mask=valid, other=-1)
             valid = valid & (page >= 0) & (page < NB_CACHE)
             page = tl.where(valid, page, 0).to(tl.int64)
             off = (pos % BS).to(tl.int64)
-            koff = page * PAGE_STRIDE + off * VB
-            sidx = (page * PAGE_STRIDE + BS * VB) // 4 + off
+            # page stride % 16 == 0 is checked on the host (supports): 16-byte vector copies
+            koff = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
+            sidx = page * (PAGE_STRIDE // 4) + BS * (VB // 4) + off
             terms, ksc = _tile_scores(kv_ptr, koff, sc_base, sidx, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3,
                                       qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM)
         else:
@@ -437,8 +463,9 @@ def _prefill_pair_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, can
         cmask = cols < L
         slot = cols // CBS
         t = cols % CBS
-        blk = tl.load(c0_row + slot, mask=cmask, other=-1)
-        j1 = tl.gather(map1, tl.minimum(slot, CAND_P2 - 1), 0)
+        slot_c = tl.minimum(slot, CAND_P2 - 1)
+        blk = tl.where(cmask, tl.gather(b0v, slot_c, 0), -1)  # register gather: keeps the K load pipelined
+        j1 = tl.gather(map1, slot_c, 0)
         in1 = cmask & (j1 >= 0)
         # K rows are loaded for either row's range (row 1's mapping only decides where its score goes).
         kval = cmask & (blk >= 0) & (blk < (nkey + CBS - 1) // CBS)
@@ -468,7 +495,7 @@ def _prefill_pair_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, can
     m = tl.sum(todo.to(tl.int32), axis=0)
     SPT: tl.constexpr = BLOCK_N // 8  # at most this many slots per tile (cbs >= 8, BLOCK_N >= cbs)
     jj = tl.arange(0, SPT)
-    for s0i in range(0, m * CBS, BLOCK_N):
+    for s0i in tl.range(0, m * CBS, BLOCK_N, num_stages=NUM_STAGES):
         cols = s0i + offs  # compacted column index
         k = cols // CBS
         t = cols % CBS
@@ -479,7 +506,7 @@ def _prefill_pair_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, can
         slj = tl.sum((incl[None, :] <= (kb0 + jj)[:, None]).to(tl.int32), axis=1)  # [SPT]
         sl = tl.sum(tl.where((k - kb0)[:, None] == jj[None, :], slj[None, :], 0), axis=1)
         sl = tl.minimum(sl, NCAND - 1)
-        blk = tl.load(c1_row + sl, mask=cmask, other=-1)
+        blk = tl.where(cmask, tl.gather(b1v, sl, 0), -1)
         v1 = cmask & (blk >= 0) & (blk < nb1)
         pos = tl.where(v1, blk * CBS + t, 0)
         v1 = v1 & (pos < n1)
@@ -536,6 +563,11 @@ def _rows_config(HP: int, fp4: bool):
     return 64, 4, 3  # BLOCK_N, warps, stages
 
 
+# Tiles per row program: fixed, so the per-program index vectors have a static size (and the grid is
+# rows x ceil(L / (tiles * BLOCK_N))).
+_ROW_TILES = 16
+
+
 def _chunk_cols(rows: int, width: int, block_n: int, sms: int, waves: int = 32, min_tiles: int = 4) -> int:
     """Columns per program: about ``waves`` programs per SM (so the last wave's tail is a small fraction),
     at least ``min_tiles`` tiles each."""
@@ -559,8 +591,7 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
         return
     HP = _heads_pad(H)
     block_n, warps, stages = _rows_config(HP, fp4)
-    cols = _chunk_cols(R, L, block_n, _num_sms(q.device))
-    grid = (R, triton.cdiv(L, cols))
+    grid = (R, triton.cdiv(L, _ROW_TILES * block_n))
     dummy = context_lens if paged else ks
     if paged:
         a, b = context_lens, context_lens
@@ -580,9 +611,9 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
     _rows_kernel[grid](
         _q_bytes(q), q_scale if q_scale is not None else dummy, weights, kv, kscale, a, b, bt, req, cand, logits,
         H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, block_size, page_stride, ncand, cbs,
-        cols, weights.stride(0),
+        weights.stride(0),
         HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
-        BLOCK_N=block_n, NUM_STAGES=stages, DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM,
+        BLOCK_N=block_n, TILES=_ROW_TILES, NUM_STAGES=stages, DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM,
         num_warps=warps)
 
 
@@ -618,7 +649,8 @@ def _launch_prefill_dense(q, q_scale, k, k_scale, weights, ks, ke, logits):
 def _pair_config(HP: int, fp4: bool):
     if "pair" in CONFIG_OVERRIDES:
         return CONFIG_OVERRIDES["pair"]
-    return 64, 8, 3  # BLOCK_N, warps, stages
+    # FP8: 4 warps (two CTAs per SM) measured fastest on the H200 (NOTES.md); MXFP4 needs 8 to avoid spills.
+    return (64, 8, 3) if fp4 else (64, 4, 3)  # BLOCK_N, warps, stages
 
 
 # Beyond this many candidate slots, phase 2's in-register compaction would not fit: use the row kernel.
