@@ -326,8 +326,11 @@ def test_write_k_cache(fmt, D, kdtype, seed, gen):
     for pow2 in ([True, False] if fmt == "fp8" else [True]):
         base = torch.randint(0, 256, (nb, bs, formats.bytes_per_token(fmt, D)), generator=gen,
                              dtype=torch.uint8).to(DEV)
-        want = base.clone()
-        reference.write_k_cache(k, slot, want, fmt, pow2)
+        # Expected bytes from the reference on the CPU: on CUDA, PyTorch divides by a Python scalar as a
+        # multiply by its reciprocal (amax * (1/448)), which is not the recipe's division.
+        want = base.cpu()
+        reference.write_k_cache(k.cpu(), slot.cpu(), want, fmt, pow2)
+        want = want.to(DEV)
         got = base.clone()
         with backends.use_backend("triton"):
             ops.write_k_cache(k, slot, got, fmt, pow2)
@@ -374,7 +377,7 @@ def test_quantize_q(fmt, D, seed, gen):
     q = (torch.randn(T, H, D, generator=gen) * 3).to(torch.bfloat16).to(DEV)
     w = torch.randn(T, H, generator=gen).to(DEV)
     ws = rng.random() + 0.01
-    want = formats.quantize_q(q, w, fmt, ws)
+    want = [None if t is None else t.to(DEV) for t in formats.quantize_q(q.cpu(), w.cpu(), fmt, ws)]
     with backends.use_backend("triton"):
         got = ops.quantize_q(q, w, fmt, ws)
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))

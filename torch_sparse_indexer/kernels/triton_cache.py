@@ -18,7 +18,7 @@ from .. import backends, formats
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _TOK = 64  # tokens (or query-head rows) per program (write, quantize)
-_GTOK = 128  # rows per program (gather: amortizes the request search)
+_GTOK = 32  # rows per program (gather); 128 measured slower on the H200 (NOTES.md)
 
 
 @triton.jit

@@ -21,11 +21,13 @@ starts at or past the row length score ``-inf``. Nothing is allocated and nothin
 host. Integer arguments are not specialized (``do_not_specialize``), so the kernels a configuration uses are
 exactly those :func:`warmup` compiles.
 
-Sparse prefill shares K loads between neighbouring query rows: one program scores a *pair* of consecutive
-rows on the union of their candidate lists. Phase 1 walks row 0's list and scores both rows on each block
-(row 1 keeps the result where the block is in its own list, found by binary search); phase 2 walks the
-blocks of row 1's list that phase 1 did not cover, compacted on the device, so a block shared by both rows
-is loaded and multiplied once. Every output slot is written exactly once whatever the lists hold.
+Sparse prefill can share K loads between neighbouring query rows (``TSI_SPARSE_PREFILL_PAIR=1``): one
+program scores a *pair* of consecutive rows on the union of their candidate lists. Phase 1 walks row 0's
+list and scores both rows on each block (row 1 keeps the result where the block is in its own list, found
+by binary search); phase 2 walks the blocks of row 1's list that phase 1 did not cover, compacted on the
+device, so a block shared by both rows is loaded and multiplied once. Every output slot is written whatever
+the lists hold. On the H200 it measured slower than one row per program (benchmarks/NOTES.md), so the
+default is the row kernel.
 """
 from __future__ import annotations
 
@@ -655,6 +657,10 @@ def _pair_config(HP: int, fp4: bool):
 
 # Beyond this many candidate slots, phase 2's in-register compaction would not fit: use the row kernel.
 _PAIR_MAX_CAND = 4096
+# The pair kernel loads each shared block once for two rows, but on the H200 it measured slower than one
+# row per program (NOTES.md: 3.96 ms vs 3.47 ms for the rows kernel before its K loads were pipelined), so
+# the rows kernel is the default; TSI_SPARSE_PREFILL_PAIR=1 (read at import: a static choice) selects pairs.
+_PAIR_DEFAULT = os.environ.get("TSI_SPARSE_PREFILL_PAIR", "0") == "1"
 
 
 def _launch_prefill_sparse(q, q_scale, k, k_scale, weights, ks, ke, candidate_blocks, cbs, logits, pair=None):
@@ -666,7 +672,7 @@ def _launch_prefill_sparse(q, q_scale, k, k_scale, weights, ks, ke, candidate_bl
         return
     HP = _heads_pad(H)
     if pair is None:
-        pair = ncand <= _PAIR_MAX_CAND and HP <= 64 and T >= 2
+        pair = _PAIR_DEFAULT and ncand <= _PAIR_MAX_CAND and HP <= 64 and T >= 2
     if not pair:
         _launch_rows(q, q_scale, weights, logits, paged=False, sparse=True, kv=_q_bytes(k), k_scale=k_scale,
                      ks=ks, ke=ke, candidate_blocks=candidate_blocks, cbs=cbs)
