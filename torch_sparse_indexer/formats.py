@@ -90,6 +90,12 @@ def unpack_ue8m0(word: torch.Tensor) -> torch.Tensor:
     return torch.stack([(w >> (8 * g)) & 0xFF for g in range(4)], dim=-1).to(torch.int32)
 
 
+def _true_div(x: torch.Tensor, c: float) -> torch.Tensor:
+    # A Python-scalar divisor becomes a multiply by its reciprocal on CUDA (one ulp off a true
+    # division); a same-shaped tensor divisor keeps the bytes identical on every device.
+    return x / torch.full_like(x, c)
+
+
 # ----------------------------------------------------------------------------------------------------
 # FP8 (e4m3, one fp32 scale per row)
 # ----------------------------------------------------------------------------------------------------
@@ -102,7 +108,7 @@ def quantize_fp8_rows(x: torch.Tensor, pow2_scale: bool = True) -> tuple[torch.T
     """
     xf = x.float()
     amax = xf.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
-    s = amax / FP8_MAX
+    s = _true_div(amax, FP8_MAX)
     if pow2_scale:
         s = ceil_to_ue8m0(s)
     vals = (xf * (1.0 / s).unsqueeze(-1)).to(FP8_DTYPE)
@@ -165,7 +171,7 @@ def quantize_mxfp4_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     g = xf.unflatten(-1, (d // MX_GROUP, MX_GROUP))
     amax = g.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
-    sf = ceil_to_ue8m0(amax / FP4_MAX)
+    sf = ceil_to_ue8m0(_true_div(amax, FP4_MAX))
     codes = e2m1_encode(g * (1.0 / sf).unsqueeze(-1)).flatten(-2)
     sbytes = ue8m0_byte(sf)
     if sbytes.shape[-1] < 4:
