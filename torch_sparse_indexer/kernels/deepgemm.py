@@ -589,12 +589,12 @@ def warmup(device, num_heads: int, head_dim: int, fmt: str, block_size: int = 64
     T = 4
     qs = testing.make_queries(T, H, D, fmt, device=device)
     w = qs.weights.to(wd)
-    k, ksc = testing.make_packed_k(64, D, fmt, device=device)
+    k, ksc = testing.make_packed_k(320, D, fmt, device=device)
     ks = torch.zeros(T, dtype=torch.int32, device=device)
     ke = torch.full((T,), 40, dtype=torch.int32, device=device)
     case = testing.make_paged_cache([40, 64, 8, 30], block_size, D, fmt, device=device)
     lens = torch.tensor([40, 64, 8, 30], dtype=torch.int32, device=device)
-    dense_pre = tr.supports_dense(arch, fmt, H, D, wd, rows=T, width=64, paged=False, num_kv=64) is None
+    dense_pre = tr.supports_dense(arch, fmt, H, D, wd, rows=T, width=64, paged=False, num_kv=320) is None
     dense_dec = tr.supports_dense(arch, fmt, H, D, wd, rows=T, width=64, paged=True, block_size=block_size) is None
     for ld in logits_dtypes:
         if dense_pre:
@@ -611,18 +611,18 @@ def warmup(device, num_heads: int, head_dim: int, fmt: str, block_size: int = 64
                         block_size, kv.shape[0])
         if arch == "sm90":
             for bucket in range(32, tr.sm90_metadata_bucket(max_rows) + 1, 32):
-                dg.get_paged_mqa_logits_metadata(torch.zeros(bucket, 1, dtype=torch.int32, device=device),
+                dg.get_paged_mqa_logits_metadata(torch.ones(bucket, 1, dtype=torch.int32, device=device),
                                                  block_size, dg.get_num_sms())
             warmed.append(f"sm90 paged metadata buckets 32..{tr.sm90_metadata_bucket(max_rows)}")
         else:
             for r in sorted({min(max_rows, x) for x in (1, 513, 2049)}):
-                z = torch.zeros(r, 1, dtype=torch.int32, device=device)
+                z = torch.ones(r, 1, dtype=torch.int32, device=device)
                 dg.get_paged_mqa_logits_metadata(z, block_size, dg.get_num_sms(),
                                                  torch.arange(r, dtype=torch.int32, device=device))
             warmed.append("sm100 paged metadata thread variants")
     nbk = num_candidate_blocks or 4
     sparse_pre = tr.supports_sparse(arch, fmt, H, D, wd, rows=T, num_candidate_blocks=nbk, cbs=cbs,
-                                    paged=False, num_kv=64) is None
+                                    paged=False, num_kv=320) is None
     sparse_dec = tr.supports_sparse(arch, fmt, H, D, wd, rows=T, num_candidate_blocks=nbk, cbs=cbs, paged=True,
                                     block_size=block_size, page_stride_bytes=_page_stride(
                                         formats.as_3d_cache(case.kv_cache))) is None

@@ -239,8 +239,12 @@ def decode_rows(context_lens: torch.Tensor, block_table: torch.Tensor, req_indic
 
 
 def context_lens_2d(n: torch.Tensor) -> torch.Tensor:
-    """DeepGEMM wants ``context_lens`` as ``int32 [B, next_n]``; our flattened rows are ``[R, 1]``."""
-    return n.to(torch.int32).contiguous().view(-1, 1)
+    """The dense decode kernels' ``context_lens``: ``int32 [B, next_n]`` = our flattened rows ``[R, 1]``, each
+    at least 1. DeepGEMM 2.8.2's SM90 schedule kernel reads one shared-memory word past its buffer when the
+    whole batch has no work and ``B % 32 == 0`` (its binary search ends at ``q_idx == B``); an H200 run
+    faulted with an illegal address on exactly that. One position per empty row (a real, clamped page) costs
+    one split and is masked by our lengths afterwards."""
+    return n.to(torch.int32).clamp(min=1).contiguous().view(-1, 1)
 
 
 def page_valid(block_table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, block_size: int,
