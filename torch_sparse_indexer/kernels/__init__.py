@@ -22,3 +22,13 @@ if _triton_usable():
         triton_cache.register()
     except Exception as _e:  # a broken triton install must not break the reference backend
         _log.warning("torch_sparse_indexer: triton kernels not registered (%s)", _e)
+
+# DeepGEMM (optional): registered when the package can be found; deep_gemm itself is imported lazily by the
+# backend's first support check, so machines without it never import it.
+if _ilu.find_spec("deep_gemm") is not None and _torch.cuda.is_available():
+    try:
+        from . import deepgemm as _deepgemm
+
+        _deepgemm.register()
+    except Exception as _e:  # noqa: BLE001
+        _log.warning("torch_sparse_indexer: DeepGEMM backend not registered (%s)", _e)
