@@ -32,3 +32,14 @@ if _ilu.find_spec("deep_gemm") is not None and _torch.cuda.is_available():
         _deepgemm.register()
     except Exception as _e:  # noqa: BLE001
         _log.warning("torch_sparse_indexer: DeepGEMM backend not registered (%s)", _e)
+
+# CUDA top-k: a prebuilt library loaded with ctypes (never compiled at import); absent library or no GPU
+# means the reference backend serves top-k.
+if _torch.cuda.is_available():
+    try:
+        from . import cuda_topk
+
+        if cuda_topk.available():
+            cuda_topk.register()
+    except Exception as _e:  # a broken or foreign build must not break the reference backend
+        _log.warning("torch_sparse_indexer: CUDA top-k kernels not registered (%s)", _e)

@@ -1,0 +1,134 @@
+"""Top-k selection on the GPU: the CUDA kernels (``csrc/topk.cu``) vs ``torch.topk`` in one process
+(``python benchmarks/bench.py --suite topk``).
+
+Rows (fp32 unless the shape says bf16; lengths per row drawn in ``[W - 1000, W]``):
+
+* ``topk`` decode: 128 x 128K at k = 512 / 1024 / 2048, plus 1 x 128K, 64 x 128K, 64 x 1M at k = 2048.
+* ``topk`` prefill: 4096 x 16K and 4096 x 128K (fp32 and bf16), k = 2048.
+* ``sparse_topk`` prefill: 4096 rows of 2048 candidate blocks of 8 (16K columns), k = 2048.
+* ``block_topk``: 4096 x 128K -> 2048 blocks of 8.
+
+Impls: ``cuda`` (ours, through the op's backend function), ``torch.topk+mask`` (what a caller must do for
+per-row lengths: ``masked_fill`` then ``torch.topk``; for ``block_topk`` a masked ``amax`` over blocks then
+``torch.topk``), ``torch.topk`` (no lengths at all: a lower bound for torch) and ``amax`` (one read of the
+scores: the measured floor). ``floor_us`` = score bytes / copy bandwidth; ``x_torch`` = torch.topk+mask time /
+ours; ``x_read`` = our time / amax time. Times: median of CUDA-graph replays, L2 flushed. ``check``: our
+output equals ``reference.py`` on the first rows. ``--quick`` shrinks the shapes.
+"""
+from __future__ import annotations
+
+import torch
+
+import common
+from torch_sparse_indexer import reference
+from torch_sparse_indexer.kernels import cuda_topk as ct
+
+COLUMNS = ["op", "shape", "k", "impl", "time_us", "floor_us", "x_read", "x_torch", "check"]
+DEV = "cuda"
+CHECK_ROWS = 8
+
+
+def _lengths(R, W, gen):
+    return (W - torch.randint(0, 1001, (R,), generator=gen)).clamp(min=1).to(torch.int32).to(DEV)
+
+
+def _mask(x, lens):
+    col = torch.arange(x.shape[1], device=x.device)
+    return x.masked_fill(col[None, :] >= lens[:, None].long(), float("-inf"))
+
+
+def _check(fn_ours, fn_ref, out, rows=CHECK_ROWS):
+    ours = out[:rows].clone()
+    exp = torch.empty_like(ours)
+    fn_ref(exp, rows)
+    torch.cuda.synchronize()
+    return "exact" if torch.equal(ours, exp) else "MISMATCH"
+
+
+def _rows(op, shape, k, x, ours, torch_masked, torch_plain, check):
+    t_read = common.time_us(lambda: torch.amax(x, dim=1))
+    floor = common.floor_us(x.numel() * x.element_size())
+    t_ours = common.time_us(ours)
+    t_tm = common.time_us(torch_masked) if torch_masked else float("nan")
+    t_tp = common.time_us(torch_plain) if torch_plain else float("nan")
+    base = dict(op=op, shape=shape, k=k, floor_us=floor)
+    return [
+        common.record(**base, impl="cuda", time_us=t_ours, x_read=t_ours / t_read, x_torch=t_tm / t_ours,
+                      check=check),
+        common.record(**base, impl="torch.topk+mask", time_us=t_tm, x_read=t_tm / t_read, x_torch=1.0, check=""),
+        common.record(**base, impl="torch.topk", time_us=t_tp, x_read=t_tp / t_read, x_torch=t_tm / t_tp, check=""),
+        common.record(**base, impl="amax", time_us=t_read, x_read=1.0, x_torch=float("nan"), check=""),
+    ]
+
+
+def _topk_case(R, W, k, dtype, gen):
+    x = torch.randn(R, W, generator=gen).to(dtype).to(DEV)
+    lens = _lengths(R, W, gen)
+    out = torch.empty(R, k, dtype=torch.int32, device=DEV)
+    ours = lambda: ct.topk(x, lens, k, out)  # noqa: E731
+    ours()
+    check = _check(None, lambda e, r: reference.topk(x[:r], lens[:r], k, e), out)
+    shape = f"{R}x{W // 1024}K" + ("" if dtype == torch.float32 else " bf16")
+    return _rows("topk", shape, k, x, ours, lambda: torch.topk(_mask(x, lens), k, dim=1),
+                 lambda: torch.topk(x, k, dim=1), check)
+
+
+def _sparse_case(R, nb, cbs, k, gen):
+    W = nb * cbs
+    x = torch.randn(R, W, generator=gen).to(DEV)
+    # Neighbouring query rows see mostly the same blocks of one long request: ascending distinct ids.
+    blocks = torch.sort(torch.randperm(16 * nb, generator=gen)[:nb]).values.to(torch.int32)
+    blocks = blocks[None].expand(R, nb).contiguous().to(DEV)
+    lens = torch.full((R,), 16 * nb * cbs, dtype=torch.int32, device=DEV)
+    out = torch.empty(R, k, dtype=torch.int32, device=DEV)
+    ours = lambda: ct.sparse_topk(x, blocks, cbs, lens, k, out)  # noqa: E731
+    ours()
+    check = _check(None, lambda e, r: reference.sparse_topk(x[:r], blocks[:r], cbs, lens[:r], k, e), out)
+    valid = lens  # every candidate column is valid here: the plain topk is the fair torch equivalent
+    return _rows("sparse_topk", f"{R}x{nb}blk*{cbs}", k, x, ours, lambda: torch.topk(_mask(x, valid), k, dim=1),
+                 lambda: torch.topk(x, k, dim=1), check)
+
+
+def _block_case(R, W, cbs, nbk, gen):
+    x = torch.randn(R, W, generator=gen).to(DEV)
+    lens = _lengths(R, W, gen)
+    out = torch.empty(R, nbk, dtype=torch.int32, device=DEV)
+    ours = lambda: ct.block_topk(x, lens, cbs, out)  # noqa: E731
+    ours()
+    check = _check(None, lambda e, r: reference.block_topk(x[:r], lens[:r], cbs, e), out)
+
+    def torch_masked():
+        s = _mask(x, lens).view(R, W // cbs, cbs).amax(dim=2)
+        return torch.topk(s, nbk, dim=1)
+
+    def torch_plain():
+        return torch.topk(x.view(R, W // cbs, cbs).amax(dim=2), nbk, dim=1)
+
+    return _rows("block_topk", f"{R}x{W // 1024}K/{cbs}", nbk, x, ours, torch_masked, torch_plain, check)
+
+
+def run(args) -> list[dict]:
+    if not (torch.cuda.is_available() and ct.available()):
+        print("[topk] skipped: needs a CUDA GPU and the built library (csrc/build.sh)")
+        return []
+    gen = torch.Generator().manual_seed(0)
+    q = getattr(args, "quick", False)
+    K128 = 16384 if q else 131072
+    rows: list[dict] = []
+    for k in (512, 1024, 2048):
+        rows += _topk_case(128, K128, k, torch.float32, gen)
+    if not q:
+        rows += _topk_case(1, K128, 2048, torch.float32, gen)
+        rows += _topk_case(64, K128, 2048, torch.float32, gen)
+        rows += _topk_case(64, 1 << 20, 2048, torch.float32, gen)
+    R = 512 if q else 4096
+    rows += _topk_case(R, 16384, 2048, torch.float32, gen)
+    rows += _sparse_case(R, 2048, 8, 2048, gen)
+    rows += _topk_case(R, K128, 2048, torch.float32, gen)
+    rows += _topk_case(R, K128, 2048, torch.bfloat16, gen)
+    rows += _block_case(R, K128, 8, 2048, gen)
+    for r in rows:
+        if r["impl"] == "cuda":
+            print(f"[topk] {r['op']} {r['shape']} k={r['k']}: {r['time_us']:.1f} us, "
+                  f"x_read {r['x_read']:.2f}, x_torch {r['x_torch']:.1f}, {r['check']}", flush=True)
+    return rows

@@ -1,0 +1,147 @@
+// Minimal CPU emulation of the CUDA features the top-k kernels use, for developing and checking
+// their logic on a machine without a GPU: one std::thread per CUDA thread, std::barrier for
+// __syncthreads and for warp-synchronous intrinsics (all 32 lanes must take part, as the kernels
+// guarantee). Blocks run one after another. Dynamic shared memory is filled with garbage first so
+// reads of unwritten shared memory show up as wrong results. Not a performance model.
+#pragma once
+
+#include <atomic>
+#include <barrier>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __device__
+#define __global__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+
+typedef int cudaError_t;
+typedef void* cudaStream_t;
+enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidDevice = 101 };
+inline const char* cudaGetErrorString(cudaError_t e) {
+  return e == 0 ? "no error" : (e == 1 ? "invalid argument" : "emulated CUDA error");
+}
+
+struct uint4 {
+  unsigned x, y, z, w;
+};
+struct emu_dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+
+inline thread_local emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+namespace tsi_emu {
+
+struct Warp {
+  std::barrier<> bar{32};
+  uint64_t slot[32];
+};
+
+struct Block {
+  explicit Block(int nthreads, int smem_bytes) : bar(nthreads), smem(smem_bytes + 16) {
+    for (size_t i = 0; i < smem.size(); ++i) smem[i] = (unsigned char)(0xA5 ^ (i * 131));
+    for (int w = 0; w < nthreads / 32; ++w) warps.emplace_back(new Warp());
+  }
+  std::barrier<> bar;
+  std::vector<unsigned char> smem;
+  std::vector<std::unique_ptr<Warp>> warps;
+};
+
+inline thread_local Block* tl_block = nullptr;
+
+inline int sm_count() {
+  const char* s = std::getenv("TSI_EMU_SMS");
+  return s ? std::atoi(s) : 2;
+}
+
+// Gathers every lane's value (each lane passes its own), like a warp-wide all-gather.
+template <class T>
+inline void warp_gather(T v, T (&all)[32]) {
+  Warp* w = tl_block->warps[threadIdx.x / 32].get();
+  const int lane = threadIdx.x & 31;
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  w->slot[lane] = bits;
+  w->bar.arrive_and_wait();
+  for (int i = 0; i < 32; ++i) std::memcpy(&all[i], &w->slot[i], sizeof(T));
+  w->bar.arrive_and_wait();
+}
+
+inline void launch(int grid, int threads, int smem_bytes, const std::function<void()>& fn) {
+  for (int b = 0; b < grid; ++b) {
+    Block blk(threads, smem_bytes);
+    std::vector<std::thread> ts;
+    ts.reserve(threads);
+    for (int t = 0; t < threads; ++t) {
+      ts.emplace_back([&, t, b]() {
+        threadIdx.x = t;
+        blockIdx.x = b;
+        blockDim.x = threads;
+        gridDim.x = grid;
+        tl_block = &blk;
+        fn();
+      });
+    }
+    for (auto& th : ts) th.join();
+  }
+}
+
+}  // namespace tsi_emu
+
+#define TSI_DYN_SMEM(name) unsigned char* name = tsi_emu::tl_block->smem.data()
+
+inline void __syncthreads() { tsi_emu::tl_block->bar.arrive_and_wait(); }
+
+template <class T>
+inline T __shfl_up_sync(unsigned, T v, unsigned d) {
+  T all[32];
+  tsi_emu::warp_gather(v, all);
+  const unsigned lane = threadIdx.x & 31;
+  return lane >= d ? all[lane - d] : v;
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int o) {
+  T all[32];
+  tsi_emu::warp_gather(v, all);
+  return all[(threadIdx.x & 31) ^ (unsigned)o];
+}
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  T all[32];
+  tsi_emu::warp_gather(v, all);
+  return all[src & 31];
+}
+inline bool __all_sync(unsigned, bool p) {
+  int all[32];
+  tsi_emu::warp_gather((int)p, all);
+  for (int i = 0; i < 32; ++i)
+    if (!all[i]) return false;
+  return true;
+}
+inline unsigned __reduce_min_sync(unsigned, unsigned v) {
+  unsigned all[32];
+  tsi_emu::warp_gather(v, all);
+  unsigned m = all[0];
+  for (int i = 1; i < 32; ++i) m = all[i] < m ? all[i] : m;
+  return m;
+}
+inline unsigned __reduce_add_sync(unsigned, unsigned v) {
+  unsigned all[32];
+  tsi_emu::warp_gather(v, all);
+  unsigned s = 0;
+  for (int i = 0; i < 32; ++i) s += all[i];
+  return s;
+}
+inline unsigned atomicAdd(unsigned* a, unsigned v) { return std::atomic_ref<unsigned>(*a).fetch_add(v); }
+template <class T>
+inline T __ldg(const T* p) {
+  return *p;
+}

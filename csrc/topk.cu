@@ -1,0 +1,157 @@
+// C ABI of libsparse_indexer_topk.so: launch functions over raw device pointers, so one build serves
+// every torch version (the Python side passes tensor.data_ptr() and the current stream). Every
+// function returns a cudaError_t code (0 = success); nothing synchronizes and nothing allocates, so
+// the launches can be captured in CUDA graphs. The launch configuration depends only on the shapes.
+#include "topk_kernels.cuh"
+
+namespace {
+
+using tsi::Params;
+
+constexpr int kVersion = 1;
+
+int log2_exact(int v) {
+  int l = 0;
+  while ((1 << l) < v) ++l;
+  return (1 << l) == v ? l : -1;
+}
+
+template <class Src, int MINB>
+cudaError_t launch_variant(const Params& p, cudaStream_t stream, int dev) {
+  const int smem = (int)sizeof(tsi::Smem);
+#ifndef TSI_EMULATE
+  // Raise the dynamic shared-memory limit once per device (not a stream operation: capture-safe).
+  static bool done[64] = {false};
+  if (!done[dev]) {
+    cudaError_t e =
+        cudaFuncSetAttribute(tsi::topk_kernel<Src, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    done[dev] = true;
+  }
+  tsi::topk_kernel<Src, MINB><<<p.rows, tsi::THREADS, smem, stream>>>(p);
+  return cudaGetLastError();
+#else
+  (void)stream;
+  (void)dev;
+  tsi_emu::launch(p.rows, tsi::THREADS, smem, [p]() { tsi::topk_kernel<Src, MINB>(p); });
+  return cudaSuccess;
+#endif
+}
+
+// Multiprocessor count per device, read once (a property query: capture-safe).
+int sm_count(int dev) {
+#ifndef TSI_EMULATE
+  static int cache[64] = {0};
+  if (cache[dev] == 0) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0) v = 132;
+    cache[dev] = v;
+  }
+  return cache[dev];
+#else
+  (void)dev;
+  return tsi_emu::sm_count();
+#endif
+}
+
+template <class Src>
+cudaError_t launch(const Params& p, cudaStream_t stream) {
+  if (p.rows <= 0) return cudaSuccess;
+  int dev = 0;
+#ifndef TSI_EMULATE
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+#endif
+  // The variant depends only on the row count: two CTAs per SM pay off once every SM has two rows.
+  if (p.rows >= 2 * sm_count(dev)) return launch_variant<Src, 2>(p, stream, dev);
+  return launch_variant<Src, 1>(p, stream, dev);
+}
+
+bool aligned16(const void* ptr, long long stride, int esize) {
+  return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0 && ((stride * esize) & 15) == 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int tsi_topk_version() { return kVersion; }
+
+int tsi_topk_max_k() { return tsi::LIST_CAP; }
+
+// Tuning constants, exported so tests can aim at each path: rows of at most smem_keys elements are
+// selected in shared memory; longer rows buffer at most cand_cap threshold-bin elements.
+int tsi_topk_smem_keys() { return tsi::SMEM_KEYS; }
+int tsi_topk_cand_cap() { return tsi::CAND_CAP; }
+
+const char* tsi_topk_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+
+// topk over columns [0, lengths[r]) of logits [rows, width] (row stride in elements, unit column
+// stride). dtype: 0 = float32, 1 = bfloat16. out: int32 [rows, k] contiguous.
+int tsi_topk(const void* logits, long long row_stride, int rows, int width, int dtype, const int* lengths,
+             int k, int* out, uintptr_t stream) {
+  if (k < 1 || k > tsi::LIST_CAP || rows < 0 || width < 0 || row_stride < width || (dtype != 0 && dtype != 1))
+    return cudaErrorInvalidValue;
+  Params p{};
+  p.logits = logits;
+  p.row_stride = row_stride;
+  p.rows = rows;
+  p.width = width;
+  p.lengths = lengths;
+  p.out = out;
+  p.kk = k;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  return dtype == 0 ? launch<tsi::DenseSrc<float>>(p, s) : launch<tsi::DenseSrc<tsi::bf16_tag>>(p, s);
+}
+
+// sparse_topk over logits [rows, nblk * cbs]: column c is position blocks[r, c / cbs] * cbs + c % cbs,
+// valid when that block id is >= 0 and the position < lengths[r]. out: int32 [rows, k].
+int tsi_sparse_topk(const void* logits, long long row_stride, int rows, int dtype, const int* blocks, int nblk,
+                    int cbs, const int* lengths, int k, int* out, uintptr_t stream) {
+  const int lcbs = log2_exact(cbs);
+  if (k < 1 || k > tsi::LIST_CAP || rows < 0 || nblk < 1 || lcbs < 3 || cbs > 64 ||
+      row_stride < (long long)nblk * cbs || (dtype != 0 && dtype != 1))
+    return cudaErrorInvalidValue;
+  Params p{};
+  p.logits = logits;
+  p.row_stride = row_stride;
+  p.rows = rows;
+  p.width = nblk * cbs;
+  p.lengths = lengths;
+  p.blocks = blocks;
+  p.nblk = nblk;
+  p.cbs = cbs;
+  p.lcbs = lcbs;
+  p.out = out;
+  p.kk = k;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  return dtype == 0 ? launch<tsi::SparseSrc<float>>(p, s) : launch<tsi::SparseSrc<tsi::bf16_tag>>(p, s);
+}
+
+// block_topk: the min(nbk, ceil(n / cbs)) best blocks of cbs columns by their max valid logit
+// (n = clamp(lengths[r], 0, width)). out: int32 [rows, nbk].
+int tsi_block_topk(const void* logits, long long row_stride, int rows, int width, int dtype, const int* lengths,
+                   int cbs, int* out, int nbk, uintptr_t stream) {
+  const int lcbs = log2_exact(cbs);
+  if (nbk < 1 || nbk > tsi::LIST_CAP || rows < 0 || width < 0 || row_stride < width || lcbs < 3 || cbs > 64 ||
+      (dtype != 0 && dtype != 1))
+    return cudaErrorInvalidValue;
+  Params p{};
+  p.logits = logits;
+  p.row_stride = row_stride;
+  p.rows = rows;
+  p.width = width;
+  p.lengths = lengths;
+  p.cbs = cbs;
+  p.lcbs = lcbs;
+  p.out = out;
+  p.kk = nbk;
+  auto s = reinterpret_cast<cudaStream_t>(stream);
+  const bool vec = aligned16(logits, row_stride, dtype == 0 ? 4 : 2);
+  if (dtype == 0)
+    return vec ? launch<tsi::BlockVecSrc<float>>(p, s) : launch<tsi::BlockScalarSrc<float>>(p, s);
+  return vec ? launch<tsi::BlockVecSrc<tsi::bf16_tag>>(p, s) : launch<tsi::BlockScalarSrc<tsi::bf16_tag>>(p, s);
+}
+
+}  // extern "C"

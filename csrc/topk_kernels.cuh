@@ -1,0 +1,768 @@
+// Exact, deterministic per-row top-k selection: topk, sparse_topk, block_topk.
+//
+// One CTA per row. Every score is mapped to an order-preserving uint32 key (fp32 bits; bf16 widened
+// exactly), NaN mapped to 1 (below -inf), 0 meaning "not an element". Selection = the r best elements
+// by (key descending, element index ascending); output = their positions in index order, -1 padded.
+//
+// Per row, chosen on the device from the row's length:
+//  * SMEM mode (at most SMEM_KEYS elements): one read of the row writes every key to shared memory
+//    and builds the coarse 11-bit histogram; refinement passes (11, 11, 10 bits) and the final ordered
+//    compaction run on shared memory only.
+//  * STREAM mode: pass 1 builds the coarse histogram; pass 2 (in reverse order, so the part of the row
+//    read last is still in L2) writes the winners above the threshold bin and the threshold bin's
+//    elements, both in index order, to shared memory; refinement runs on that buffer and the two
+//    sorted lists are merged into the output. When the threshold bin holds more than CAND_CAP
+//    elements the buffer is never trusted: the row is rescanned from global memory, filtered by the
+//    fixed key prefix, until the key is exact, and a final ordered pass writes the output.
+// Ties at the threshold key go to the lowest indices through block-wide prefix counts in index order
+// (never through atomics order), so results are bitwise reproducible.
+#pragma once
+
+#ifdef TSI_EMULATE
+#include "emu/cuda_emu.h"
+#else
+#include <cuda_runtime.h>
+#include <stdint.h>
+#define TSI_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+#ifndef TSI_THREADS
+#define TSI_THREADS 512
+#endif
+#ifndef TSI_CAND_CAP
+#define TSI_CAND_CAP 8192
+#endif
+#ifndef TSI_LIST_CAP
+#define TSI_LIST_CAP 4096
+#endif
+
+namespace tsi {
+
+constexpr int THREADS = TSI_THREADS;
+constexpr int NWARPS = THREADS / 32;
+constexpr int NBINS = 2048;
+constexpr int CAND_CAP = TSI_CAND_CAP;  // threshold-bin elements buffered in STREAM mode
+constexpr int LIST_CAP = TSI_LIST_CAP;  // max output width (k, or num_blocks for block_topk)
+constexpr int REGION_WORDS = 2 * CAND_CAP + 2 * LIST_CAP;
+constexpr int SMEM_KEYS = REGION_WORDS;  // SMEM mode: one key per element
+constexpr unsigned FULL = 0xffffffffu;
+
+static_assert(THREADS % 32 == 0 && NBINS % THREADS == 0 && (NBINS / 2) % THREADS == 0, "thread count");
+static_assert(NWARPS <= 32, "at most 32 warps");
+
+enum Kind { DENSE = 0, SPARSE = 1, BLOCK = 2 };
+
+struct Params {
+  const void* logits;
+  long long row_stride;  // elements
+  int rows;
+  int width;             // columns
+  const int* lengths;
+  const int* blocks;     // sparse: candidate block ids [rows, nblk]
+  int nblk;
+  int cbs;
+  int lcbs;              // log2(cbs)
+  int* out;              // [rows, kk]
+  int kk;                // k (topk, sparse_topk) or number of output blocks (block_topk)
+};
+
+struct Smem {
+  uint32_t hist[NBINS];
+  uint32_t scan[2][NWARPS];
+  uint32_t ctl[8];
+  uint32_t region[REGION_WORDS];
+};
+
+// ------------------------------------------------------------------------------------------------
+// Keys
+// ------------------------------------------------------------------------------------------------
+
+// Order-preserving key of fp32 bits: -0 == +0, NaN (any payload) = 1 < key(-inf) = 0x007fffff.
+__device__ __forceinline__ uint32_t f32_key(uint32_t b) {
+  if ((b & 0x7fffffffu) > 0x7f800000u) return 1u;
+  if (b == 0x80000000u) b = 0u;
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+template <typename T> struct DT;
+template <> struct DT<float> {
+  static constexpr int V = 4;  // elements per 16-byte chunk
+  static constexpr int SIZE = 4;
+  __device__ static __forceinline__ uint32_t bits(const uint32_t (&w)[4], int j) { return w[j]; }
+  __device__ static __forceinline__ void put(uint32_t (&w)[4], int j, uint32_t v) { w[j] = v; }
+  __device__ static __forceinline__ uint32_t load1(const char* p, long long col) {
+    return *reinterpret_cast<const uint32_t*>(p + col * 4);
+  }
+};
+struct bf16_tag {};
+template <> struct DT<bf16_tag> {
+  static constexpr int V = 8;
+  static constexpr int SIZE = 2;
+  __device__ static __forceinline__ uint32_t bits(const uint32_t (&w)[4], int j) {
+    return (j & 1) ? (w[j >> 1] & 0xffff0000u) : (w[j >> 1] << 16);
+  }
+  __device__ static __forceinline__ void put(uint32_t (&w)[4], int j, uint32_t v) {
+    w[j >> 1] |= (j & 1) ? (v << 16) : v;
+  }
+  __device__ static __forceinline__ uint32_t load1(const char* p, long long col) {
+    return *reinterpret_cast<const uint16_t*>(p + col * 2);
+  }
+};
+
+struct Raw {
+  uint32_t w[4];
+};
+
+__device__ __forceinline__ Raw load16(const char* p) {
+  uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  Raw r;
+  r.w[0] = v.x; r.w[1] = v.y; r.w[2] = v.z; r.w[3] = v.w;
+  return r;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Element sources. An item is what one thread loads per step; elems() turns it into E keys in index
+// order (key 0: no element), index(item, j) gives the j-th one's element index. elems() is
+// warp-collective. Only sparse rows have key-0 slots inside [0, m) (columns of -1 blocks etc.).
+// ------------------------------------------------------------------------------------------------
+
+// Chunked row access shared by the sources: chunk c covers columns [c*V - h, c*V - h + V), where h is
+// the row start's misalignment in elements; only chunks fully inside [0, ncols) use a vector load.
+template <typename T>
+struct Chunks {
+  static constexpr int V = DT<T>::V;
+  const char* row;   // row start
+  const char* abase; // 16-byte aligned start at or before row
+  int h;
+  int ncols;
+  int nchunks;
+  __device__ void init(const Params& p, int r, int ncols_) {
+    row = static_cast<const char*>(p.logits) + (long long)r * p.row_stride * DT<T>::SIZE;
+    uintptr_t a = reinterpret_cast<uintptr_t>(row);
+    h = (int)((a & 15u) / DT<T>::SIZE);
+    abase = row - h * DT<T>::SIZE;
+    ncols = ncols_;
+    nchunks = ncols_ > 0 ? (h + ncols_ + V - 1) / V : 0;
+  }
+  __device__ __forceinline__ Raw load(int c) const {
+    Raw r;
+    r.w[0] = r.w[1] = r.w[2] = r.w[3] = 0u;
+    if (c < 0 || c >= nchunks) return r;
+    long long col0 = (long long)c * V - h;
+    if (col0 >= 0 && col0 + V <= ncols) return load16(abase + (long long)c * 16);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      long long col = col0 + j;
+      if (col >= 0 && col < ncols) DT<T>::put(r.w, j, DT<T>::load1(row, col));
+    }
+    return r;
+  }
+};
+
+template <typename T>
+struct DenseSrc {
+  static constexpr int KIND = DENSE;
+  static constexpr int E = DT<T>::V;
+  Chunks<T> ch;
+  int m;  // element indices [0, m)
+  __device__ DenseSrc(const Params& p, int r) {
+    int len = p.lengths[r];
+    int n = len < 0 ? 0 : (len > p.width ? p.width : len);
+    m = n;
+    ch.init(p, r, n);
+  }
+  __device__ __forceinline__ int items() const { return ch.nchunks; }
+  __device__ __forceinline__ Raw load(int c) const { return ch.load(c); }
+  __device__ __forceinline__ void elems(const Raw& raw, int c, uint32_t (&key)[E]) const {
+    int col0 = c * E - ch.h;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      int col = col0 + j;
+      bool ok = c < ch.nchunks && col >= 0 && col < m;
+      key[j] = ok ? f32_key(DT<T>::bits(raw.w, j)) : 0u;
+    }
+  }
+  __device__ __forceinline__ int index(int c, int j) const { return c * E - ch.h + j; }
+  __device__ __forceinline__ int pos(int i) const { return i; }
+};
+
+template <typename T>
+struct SparseSrc {
+  static constexpr int KIND = SPARSE;
+  static constexpr int E = DT<T>::V;
+  Chunks<T> ch;
+  const int* blk;
+  long long len;
+  int cbs, lcbs;
+  int m;
+  __device__ SparseSrc(const Params& p, int r) {
+    int l = p.lengths[r];
+    len = l < 0 ? 0 : l;
+    blk = p.blocks + (long long)r * p.nblk;
+    cbs = p.cbs;
+    lcbs = p.lcbs;
+    m = p.width;
+    ch.init(p, r, p.width);
+  }
+  __device__ __forceinline__ int items() const { return ch.nchunks; }
+  __device__ __forceinline__ Raw load(int c) const { return ch.load(c); }
+  __device__ __forceinline__ bool valid_col(int b, int o) const {
+    return b >= 0 && (long long)b * cbs + o < len;
+  }
+  __device__ __forceinline__ void elems(const Raw& raw, int c, uint32_t (&key)[E]) const {
+    int col0 = c * E - ch.h;
+    // A chunk spans at most two candidate blocks (cbs >= E).
+    int first = col0 < 0 ? 0 : col0;
+    int last = col0 + E - 1 >= m ? m - 1 : col0 + E - 1;
+    bool any = c < ch.nchunks && first <= last;
+    int bfirst = any ? __ldg(blk + (first >> lcbs)) : -1;
+    int blast = any ? __ldg(blk + (last >> lcbs)) : -1;
+    int jfirst = first >> lcbs;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      int col = col0 + j;
+      bool in = any && col >= 0 && col < m;
+      int b = ((col >> lcbs) == jfirst) ? bfirst : blast;
+      bool ok = in && valid_col(b, col & (cbs - 1));
+      key[j] = ok ? f32_key(DT<T>::bits(raw.w, j)) : 0u;
+    }
+  }
+  __device__ __forceinline__ int index(int c, int j) const { return c * E - ch.h + j; }
+  __device__ __forceinline__ int pos(int i) const {
+    long long p = (long long)__ldg(blk + (i >> lcbs)) * cbs + (i & (cbs - 1));
+    return (int)p;
+  }
+};
+
+// block_topk, rows whose start is 16-byte aligned: G = cbs*size/16 consecutive lanes load one block
+// (consecutive chunks) and reduce its max key with shuffles; the group's first lane owns the element.
+template <typename T>
+struct BlockVecSrc {
+  static constexpr int KIND = BLOCK;
+  static constexpr int E = 1;
+  Chunks<T> ch;
+  int G;  // chunks per block (power of two, <= 16)
+  int m;  // valid blocks ceil(n / cbs)
+  __device__ BlockVecSrc(const Params& p, int r) {
+    int len = p.lengths[r];
+    int n = len < 0 ? 0 : (len > p.width ? p.width : len);
+    m = (n + p.cbs - 1) >> p.lcbs;
+    G = p.cbs / DT<T>::V;
+    ch.init(p, r, n);
+    ch.nchunks = m * G;  // whole groups, so every block's lanes are present
+  }
+  __device__ __forceinline__ int items() const { return ch.nchunks; }
+  __device__ __forceinline__ Raw load(int c) const { return ch.load(c); }
+  __device__ __forceinline__ void elems(const Raw& raw, int c, uint32_t (&key)[1]) const {
+    constexpr int V = DT<T>::V;
+    uint32_t mx = 0u;
+    int col0 = c * V;  // h == 0 for this source
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      bool ok = c < ch.nchunks && col0 + j < ch.ncols;
+      uint32_t k = ok ? f32_key(DT<T>::bits(raw.w, j)) : 0u;
+      mx = k > mx ? k : mx;
+    }
+    for (int o = 1; o < G; o <<= 1) {
+      uint32_t y = __shfl_xor_sync(FULL, mx, o);
+      mx = y > mx ? y : mx;
+    }
+    bool lead = (c & (G - 1)) == 0 && c < ch.nchunks;
+    key[0] = lead ? mx : 0u;
+  }
+  __device__ __forceinline__ int index(int c, int) const { return c / G; }
+  __device__ __forceinline__ int pos(int i) const { return i; }
+};
+
+// block_topk fallback for rows not 16-byte aligned: one thread per block, scalar loads.
+template <typename T>
+struct BlockScalarSrc {
+  static constexpr int KIND = BLOCK;
+  static constexpr int E = 1;
+  const char* row;
+  int n, cbs, m;
+  __device__ BlockScalarSrc(const Params& p, int r) {
+    row = static_cast<const char*>(p.logits) + (long long)r * p.row_stride * DT<T>::SIZE;
+    int len = p.lengths[r];
+    n = len < 0 ? 0 : (len > p.width ? p.width : len);
+    cbs = p.cbs;
+    m = (n + cbs - 1) >> p.lcbs;
+  }
+  __device__ __forceinline__ int items() const { return m; }
+  __device__ __forceinline__ Raw load(int b) const {
+    Raw r;
+    r.w[0] = r.w[1] = r.w[2] = r.w[3] = 0u;
+    if (b < 0 || b >= m) return r;
+    uint32_t mx = 0u;
+    long long c0 = (long long)b * cbs;
+    long long c1 = c0 + cbs < n ? c0 + cbs : n;
+    for (long long c = c0; c < c1; ++c) {
+      uint32_t bits = DT<T>::load1(row, c);
+      if (DT<T>::SIZE == 2) bits <<= 16;
+      uint32_t k = f32_key(bits);
+      mx = k > mx ? k : mx;
+    }
+    r.w[0] = mx;
+    return r;
+  }
+  __device__ __forceinline__ void elems(const Raw& raw, int b, uint32_t (&key)[1]) const {
+    key[0] = b < m ? raw.w[0] : 0u;
+  }
+  __device__ __forceinline__ int index(int b, int) const { return b; }
+  __device__ __forceinline__ int pos(int i) const { return i; }
+};
+
+// ------------------------------------------------------------------------------------------------
+// Block-wide primitives (every thread of the CTA must call them, in the same order)
+// ------------------------------------------------------------------------------------------------
+
+// Exclusive prefix over threads in thread order; *total = sum over the CTA. `tmp` must not be
+// reused before the next __syncthreads() that follows this call (callers alternate two buffers).
+__device__ __forceinline__ uint32_t block_excl_scan(uint32_t v, uint32_t* tmp, uint32_t* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    uint32_t y = __shfl_up_sync(FULL, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) tmp[warp] = x;
+  __syncthreads();
+  uint32_t before = 0, tot = 0;
+#pragma unroll
+  for (int w = 0; w < NWARPS; ++w) {
+    uint32_t t = tmp[w];
+    before += (w < warp) ? t : 0u;
+    tot += t;
+  }
+  *total = tot;
+  return before + x - v;
+}
+
+__device__ __forceinline__ void clear_hist(Smem& sm) {
+  for (int i = threadIdx.x; i < NBINS; i += THREADS) sm.hist[i] = 0u;
+}
+
+// Adds E bins (valid where ok) to the histogram. Warp-collective: a warp whose elements all share one
+// bin (all-equal rows, one-bin rows) issues a single atomic instead of 32*E conflicting ones.
+template <int E>
+__device__ __forceinline__ void hist_add(Smem& sm, const uint32_t (&bin)[E], const bool (&ok)[E]) {
+  uint32_t b0 = 0u, c = 0u;
+  bool uni = true;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    if (ok[j]) {
+      if (c == 0u) b0 = bin[j];
+      uni = uni && bin[j] == b0;
+      ++c;
+    }
+  }
+  if (__all_sync(FULL, uni)) {
+    uint32_t ref = __reduce_min_sync(FULL, c ? b0 : 0xffffffffu);
+    if (__all_sync(FULL, c == 0u || b0 == ref)) {
+      uint32_t tot = __reduce_add_sync(FULL, c);
+      if ((threadIdx.x & 31) == 0 && tot) atomicAdd(&sm.hist[ref], tot);
+    } else if (c) {
+      atomicAdd(&sm.hist[b0], c);
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < E; ++j)
+    if (ok[j]) atomicAdd(&sm.hist[bin[j]], 1u);
+}
+
+// Digit of a key at prefix length L (0, 11, 22 bits fixed): bits [31:21], [20:10], [9:0].
+__device__ __forceinline__ int digit_shift(int L) { return L == 0 ? 21 : (L == 11 ? 10 : 0); }
+__device__ __forceinline__ uint32_t digit_mask(int L) { return L == 22 ? 0x3ffu : 0x7ffu; }
+__device__ __forceinline__ bool has_prefix(uint32_t key, int L, uint32_t P) {
+  return key != 0u && (L == 0 || (key >> (32 - L)) == P);
+}
+
+template <int E>
+__device__ __forceinline__ void hist_keys(Smem& sm, const uint32_t (&key)[E], int L, uint32_t P) {
+  uint32_t bin[E];
+  bool ok[E];
+  const int s = digit_shift(L);
+  const uint32_t msk = digit_mask(L);
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    ok[j] = has_prefix(key[j], L, P);
+    bin[j] = (key[j] >> s) & msk;
+  }
+  hist_add<E>(sm, bin, ok);
+}
+
+// Finds the bin B holding the need-th best element: count(bins > B) < need <= count(bins >= B), with
+// need = min(need, total). ctl[0..3] = B, count above B, count in B, total. Ends with a barrier.
+template <int NB>
+__device__ void find_bin(Smem& sm, uint32_t need) {
+  constexpr int PER = NB / THREADS;
+  const int b0 = threadIdx.x * PER;
+  uint32_t h[PER];
+  uint32_t s = 0u;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    h[j] = sm.hist[b0 + j];
+    s += h[j];
+  }
+  uint32_t tot;
+  const uint32_t ex = block_excl_scan(s, sm.scan[0], &tot);
+  if (need > tot) need = tot;
+  uint32_t cum = tot - ex - s;  // elements in bins above this thread's bins
+#pragma unroll
+  for (int j = PER - 1; j >= 0; --j) {
+    if (need > 0u && cum < need && cum + h[j] >= need) {
+      sm.ctl[0] = b0 + j;
+      sm.ctl[1] = cum;
+      sm.ctl[2] = h[j];
+    }
+    cum += h[j];
+  }
+  if (threadIdx.x == 0) sm.ctl[3] = tot;
+  __syncthreads();
+}
+
+struct Thresh {
+  uint32_t tkey;     // select key > tkey, ...
+  uint32_t need_eq;  // ... and the first need_eq elements (index order) with key == tkey
+};
+
+// Refines the threshold. Precondition: hist holds the digit histogram at prefix length L among the
+// elements with prefix P, and 1 <= need <= their count. next_hist(L, P) must rebuild hist for the
+// next digit (it is called with barriers around it by the caller's contract: it clears, syncs,
+// accumulates and syncs).
+template <class NextHist>
+__device__ Thresh resolve(Smem& sm, int L, uint32_t P, uint32_t need, NextHist&& next_hist) {
+  while (true) {
+    const int w = (L == 22) ? 10 : 11;
+    if (w == 11) find_bin<NBINS>(sm, need);
+    else find_bin<NBINS / 2>(sm, need);
+    const uint32_t B = sm.ctl[0], above = sm.ctl[1], cnt = sm.ctl[2];
+    P = (P << w) | B;
+    L += w;
+    need -= above;
+    Thresh t;
+    if (cnt == need) {  // the whole bin is taken: no tie to break
+      unsigned long long lo = (unsigned long long)P << (32 - L);
+      t.tkey = (uint32_t)((lo > 1ull ? lo : 1ull) - 1ull);
+      t.need_eq = 0u;
+      return t;
+    }
+    if (L == 32) {
+      t.tkey = P;
+      t.need_eq = need;
+      return t;
+    }
+    next_hist(L, P);
+  }
+}
+
+__device__ __forceinline__ bool is_gt(uint32_t key, const Thresh& t) { return key > t.tkey; }
+__device__ __forceinline__ bool is_eq(uint32_t key, const Thresh& t) { return t.need_eq > 0u && key == t.tkey; }
+
+// Ordered selection of one tile: each thread holds E elements in index order, threads in index order.
+// Calls emit(rank, j) for each selected element. run_gt/run_eq: counts in earlier tiles (updated).
+// Per-tile counts are at most THREADS*E < 2^16, so both counts share one 32-bit scan.
+template <int E, class Emit>
+__device__ __forceinline__ void select_tile(Smem& sm, int& par, const uint32_t (&key)[E], const Thresh& t,
+                                            uint32_t& run_gt, uint32_t& run_eq, Emit&& emit) {
+  static_assert(THREADS * E < 65536, "packed tile counts");
+  uint32_t ngt = 0u, neq = 0u;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    ngt += is_gt(key[j], t);
+    neq += is_eq(key[j], t);
+  }
+  uint32_t tot;
+  const uint32_t ex = block_excl_scan((ngt << 16) | neq, sm.scan[par], &tot);
+  par ^= 1;
+  uint32_t gt = run_gt + (ex >> 16), eq = run_eq + (ex & 0xffffu);
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    if (is_gt(key[j], t)) {
+      emit(gt + (eq < t.need_eq ? eq : t.need_eq), j);
+      ++gt;
+    } else if (is_eq(key[j], t)) {
+      if (eq < t.need_eq) emit(gt + eq, j);
+      ++eq;
+    }
+  }
+  run_gt += tot >> 16;
+  run_eq += tot & 0xffffu;
+}
+
+// Streams items [0, n) in tiles of THREADS (item = base + u*THREADS + tid), U tiles in flight per
+// thread; REV walks the tiles from last to first. f(raw, item) is called uniformly by all threads.
+template <int U, bool REV, class Src, class F>
+__device__ __forceinline__ void stream(const Src& src, F&& f) {
+  const int n = src.items();
+  const int per = THREADS * U;
+  const int nb = (n + per - 1) / per;
+  if (nb == 0) return;
+  Raw buf[U];
+  int b = REV ? nb - 1 : 0;
+#pragma unroll
+  for (int u = 0; u < U; ++u) buf[u] = src.load(b * per + u * THREADS + (int)threadIdx.x);
+  for (int it = 0; it < nb; ++it) {
+    const int bn = REV ? b - 1 : b + 1;
+    const bool more = it + 1 < nb;
+#pragma unroll
+    for (int uu = 0; uu < U; ++uu) {
+      const int u = REV ? U - 1 - uu : uu;
+      Raw cur = buf[u];
+      if (more) buf[u] = src.load(bn * per + u * THREADS + (int)threadIdx.x);
+      f(cur, b * per + u * THREADS + (int)threadIdx.x);
+    }
+    b = bn;
+  }
+}
+
+
+__device__ __forceinline__ int lower_bound(const uint32_t* a, int n, uint32_t v) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    int mid = (lo + hi) >> 1;
+    if (a[mid] < v) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The kernel
+// ------------------------------------------------------------------------------------------------
+
+template <class Src>
+__device__ void pad_out(int* out, int from, int kk) {
+  for (int i = from + threadIdx.x; i < kk; i += THREADS) out[i] = -1;
+}
+
+// Final pass over the row in global memory, in index order: writes the selected positions.
+template <int U, class Src>
+__device__ void final_global(Smem& sm, int& par, const Src& src, const Thresh& t, int* out) {
+  uint32_t rg = 0, re = 0;
+  stream<U, false>(src, [&](const Raw& raw, int c) {
+    uint32_t key[Src::E];
+    src.elems(raw, c, key);
+    select_tile<Src::E>(sm, par, key, t, rg, re, [&](uint32_t rank, int j) {
+      out[rank] = src.pos(src.index(c, j));
+    });
+  });
+}
+
+template <int U, class Src>
+__device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
+  uint32_t* K = sm.region;
+  const int m = src.m;
+  int par = 0;
+  clear_hist(sm);
+  __syncthreads();
+  stream<U, false>(src, [&](const Raw& raw, int c) {
+    uint32_t key[Src::E];
+    src.elems(raw, c, key);
+#pragma unroll
+    for (int j = 0; j < Src::E; ++j) {
+      const int i = src.index(c, j);
+      if ((key[j] != 0u || Src::KIND == SPARSE) && i >= 0 && i < m) K[i] = key[j];
+    }
+    hist_keys<Src::E>(sm, key, 0, 0u);
+  });
+  __syncthreads();
+  find_bin<NBINS>(sm, (uint32_t)kk);
+  const uint32_t total = sm.ctl[3];
+  Thresh t;
+  int r;
+  if (total <= (uint32_t)kk) {
+    t.tkey = 0u;
+    t.need_eq = 0u;
+    r = (int)total;
+  } else {
+    r = kk;
+    t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) {
+      __syncthreads();  // everyone has read ctl and hist
+      clear_hist(sm);
+      __syncthreads();
+      const int nv = (m + 3) >> 2;
+      for (int base = 0; base < nv; base += THREADS) {
+        const int v = base + (int)threadIdx.x;
+        uint32_t key[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) key[j] = (v < nv && 4 * v + j < m) ? K[4 * v + j] : 0u;
+        hist_keys<4>(sm, key, L, P);
+      }
+      __syncthreads();
+    });
+  }
+  // Ordered compaction over the keys in shared memory.
+  uint32_t rg = 0, re = 0;
+  const int nv = (m + 3) >> 2;
+  for (int base = 0; base < nv; base += THREADS) {
+    const int v = base + (int)threadIdx.x;
+    uint32_t key[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) key[j] = (v < nv && 4 * v + j < m) ? K[4 * v + j] : 0u;
+    select_tile<4>(sm, par, key, t, rg, re, [&](uint32_t rank, int j) {
+      out[rank] = src.pos(4 * v + j);
+    });
+  }
+  pad_out<Src>(out, r, kk);
+}
+
+template <int U, class Src>
+__device__ void stream_mode(Smem& sm, const Src& src, int* out, int kk) {
+  int par = 0;
+  clear_hist(sm);
+  __syncthreads();
+  stream<U, false>(src, [&](const Raw& raw, int c) {
+    uint32_t key[Src::E];
+    src.elems(raw, c, key);
+    hist_keys<Src::E>(sm, key, 0, 0u);
+  });
+  __syncthreads();
+  find_bin<NBINS>(sm, (uint32_t)kk);
+  const uint32_t total = sm.ctl[3];
+  if (total <= (uint32_t)kk) {
+    Thresh t;
+    t.tkey = 0u;
+    t.need_eq = 0u;
+    final_global<U>(sm, par, src, t, out);
+    pad_out<Src>(out, (int)total, kk);
+    return;
+  }
+  const uint32_t B1 = sm.ctl[0], above1 = sm.ctl[1], c1 = sm.ctl[2];
+  const uint32_t need1 = (uint32_t)kk - above1;
+  Thresh whole_bin;  // the whole threshold bin is taken: no refinement needed
+  whole_bin.tkey = (B1 << 21) > 1u ? (B1 << 21) - 1u : 0u;
+  whole_bin.need_eq = 0u;
+  if (c1 > (uint32_t)CAND_CAP) {
+    // The threshold bin overflows the buffer: rescan the row, filtered by the fixed key prefix.
+    Thresh t;
+    if (c1 == need1) {
+      t = whole_bin;
+    } else {
+      auto next_hist = [&](int L, uint32_t P) {
+        __syncthreads();
+        clear_hist(sm);
+        __syncthreads();
+        stream<U, false>(src, [&](const Raw& raw, int c) {
+          uint32_t key[Src::E];
+          src.elems(raw, c, key);
+          hist_keys<Src::E>(sm, key, L, P);
+        });
+        __syncthreads();
+      };
+      next_hist(11, B1);
+      t = resolve(sm, 11, B1, need1, next_hist);
+    }
+    __syncthreads();
+    final_global<U>(sm, par, src, t, out);
+    return;
+  }
+  // Collect, in index order: ABOVE = elements of bins > B1, CAND = elements of bin B1 (with keys).
+  uint32_t* candK = sm.region;
+  uint32_t* candI = sm.region + CAND_CAP;
+  uint32_t* above = sm.region + 2 * CAND_CAP;
+  uint32_t* sel = above + LIST_CAP;
+  {
+    uint32_t sa = 0, sc = 0;  // counts in tiles after the current one (reverse walk)
+    stream<U, true>(src, [&](const Raw& raw, int c) {
+      uint32_t key[Src::E];
+      src.elems(raw, c, key);
+      uint32_t na = 0u, nc = 0u;
+#pragma unroll
+      for (int j = 0; j < Src::E; ++j) {
+        const uint32_t d = key[j] >> 21;
+        na += key[j] != 0u && d > B1;
+        nc += key[j] != 0u && d == B1;
+      }
+      uint32_t tot;
+      const uint32_t ex = block_excl_scan((na << 16) | nc, sm.scan[par], &tot);
+      par ^= 1;
+      const uint32_t ta = tot >> 16, tc = tot & 0xffffu;
+      uint32_t oa = above1 - sa - ta + (ex >> 16);
+      uint32_t oc = c1 - sc - tc + (ex & 0xffffu);
+#pragma unroll
+      for (int j = 0; j < Src::E; ++j) {
+        if (key[j] == 0u) continue;
+        const uint32_t d = key[j] >> 21;
+        if (d > B1) {
+          above[oa++] = (uint32_t)src.index(c, j);
+        } else if (d == B1) {
+          candK[oc] = key[j];
+          candI[oc] = (uint32_t)src.index(c, j);
+          ++oc;
+        }
+      }
+      sa += ta;
+      sc += tc;
+    });
+  }
+  __syncthreads();
+  // Refine inside the buffer.
+  auto cand_hist = [&](int L, uint32_t P) {
+    __syncthreads();
+    clear_hist(sm);
+    __syncthreads();
+    const int nv = ((int)c1 + 3) >> 2;
+    for (int base = 0; base < nv; base += THREADS) {
+      const int v = base + (int)threadIdx.x;
+      uint32_t key[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) key[j] = (v < nv && 4 * v + j < (int)c1) ? candK[4 * v + j] : 0u;
+      hist_keys<4>(sm, key, L, P);
+    }
+    __syncthreads();
+  };
+  Thresh t = whole_bin;
+  if (c1 != need1) {
+    cand_hist(11, B1);
+    t = resolve(sm, 11, B1, need1, cand_hist);
+  }
+  {
+    uint32_t rg = 0, re = 0;
+    const int nv = ((int)c1 + 3) >> 2;
+    for (int base = 0; base < nv; base += THREADS) {
+      const int v = base + (int)threadIdx.x;
+      uint32_t key[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) key[j] = (v < nv && 4 * v + j < (int)c1) ? candK[4 * v + j] : 0u;
+      select_tile<4>(sm, par, key, t, rg, re, [&](uint32_t rank, int j) {
+        sel[rank] = candI[4 * v + j];
+      });
+    }
+  }
+  __syncthreads();
+  // Merge the two index-sorted lists (indices are distinct) into the output.
+  const int na = (int)above1, ns = (int)need1;
+  for (int i = threadIdx.x; i < na; i += THREADS) {
+    const uint32_t a = above[i];
+    out[i + lower_bound(sel, ns, a)] = src.pos((int)a);
+  }
+  for (int i = threadIdx.x; i < ns; i += THREADS) {
+    const uint32_t s = sel[i];
+    out[i + lower_bound(above, na, s)] = src.pos((int)s);
+  }
+}
+
+// MINB = 1: 128 registers, 4 tiles of loads in flight per thread (few rows: one CTA per SM must
+// keep enough bytes in flight). MINB = 2: two CTAs per SM (64 registers, 2 tiles in flight), so one
+// CTA's shared-memory phases overlap the other's streaming.
+template <class Src, int MINB>
+__global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
+  constexpr int U = MINB == 1 ? 4 : 2;
+  TSI_DYN_SMEM(smem_raw);
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  const int row = blockIdx.x;
+  Src src(p, row);
+  int* out = p.out + (long long)row * p.kk;
+  const int kk = p.kk;
+  if (Src::KIND == DENSE && src.m <= kk) {  // every valid position, no read needed
+    for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < src.m ? i : -1;
+    return;
+  }
+  if (src.m <= SMEM_KEYS) smem_mode<U>(sm, src, out, kk);
+  else stream_mode<U>(sm, src, out, kk);
+}
+
+}  // namespace tsi

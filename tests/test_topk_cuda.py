@@ -1,0 +1,365 @@
+"""CUDA top-k kernels (``csrc/topk.cu``) against ``reference.py`` run on the same tensors: exact equality.
+
+Covers every path the kernels choose per row (shared-memory rows, streamed rows with a buffered threshold
+bin, streamed rows whose threshold bin overflows the buffer and is rescanned), ties, NaN / -inf rows,
+out-of-range lengths, padded and misaligned rows, bitwise repeatability and CUDA-graph replay. The shapes
+aim at each path through the thresholds the library exports (``cuda_topk.tuning()``).
+
+Developer hook: ``TSI_TOPK_EMU=/path/to/emulator.so`` runs the same tests on the CPU against a CPU
+emulation build of the kernels (``csrc/emu/build_emu.sh``; logic only, with smaller tuning constants so
+small shapes reach every path). GPU-only tests (graphs, dispatch) are skipped there.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from torch_sparse_indexer import backends, reference, testing
+from torch_sparse_indexer.kernels import cuda_topk as ct
+
+EMU = os.environ.get("TSI_TOPK_EMU")
+if EMU:
+    ct.load(EMU)
+    DEV = "cpu"
+    pytestmark = []
+else:
+    DEV = "cuda"
+    pytestmark = [pytest.mark.gpu,
+                  pytest.mark.skipif(not (torch.cuda.is_available() and ct.available()),
+                                     reason="needs a CUDA GPU and the built top-k library")]
+
+_T = ct.tuning() or {"smem_keys": 24576, "cand_cap": 8192}
+SMEM_KEYS, CAND_CAP = _T["smem_keys"], _T["cand_cap"]
+MAXK = ct.max_k() or 4096
+gpu_only = pytest.mark.skipif(bool(EMU), reason="needs a real GPU")
+
+# Widths: shared-memory rows, just past the shared-memory limit, long streamed rows; odd sizes on purpose.
+W_SMALL, W_SMEM, W_STREAM = 1000, SMEM_KEYS - 1, max(SMEM_KEYS + 3, 131072 + 5 if not EMU else 20003)
+WIDTHS = [W_SMALL, 4097, W_SMEM, SMEM_KEYS + 3, W_STREAM]
+KS = sorted({min(k, MAXK) for k in (1, 7, 512, 1024, 2048, 4096)})
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def _lengths(W, k, gen, extra_rows=3):
+    """Edge lengths (0, 1, k - 1, k, k + 1, full, out of range on both sides) plus random ones."""
+    base = [W, 0, 1, k - 1, k, k + 1, -3, W + 100, W - 1]
+    base += torch.randint(0, W + 1, (extra_rows,), generator=gen).tolist()
+    return torch.tensor(base, dtype=torch.int32).clamp(min=-3)
+
+
+def _run_topk(x, lens, k):
+    a = torch.full((x.shape[0], k), -7, dtype=torch.int32, device=x.device)
+    b = torch.full((x.shape[0], k), -9, dtype=torch.int32, device=x.device)
+    ct.topk(x, lens, k, a)
+    reference.topk(x, lens, k, b)
+    _sync()
+    return a, b
+
+
+def _assert_same(a, b, what):
+    if not torch.equal(a, b):
+        bad = (a != b).any(1).nonzero().flatten().tolist()
+        r = bad[0]
+        col = int((a[r] != b[r]).nonzero()[0])
+        raise AssertionError(f"{what}: rows {bad[:8]} differ; row {r} from column {col}: "
+                             f"got {a[r, col:col + 8].tolist()} expected {b[r, col:col + 8].tolist()}")
+
+
+def _pattern(name, R, W, gen):
+    """Score rows with the structures that break selection kernels."""
+    if name == "randn":
+        return torch.randn(R, W, generator=gen)
+    if name == "all_equal":
+        return torch.ones(R, W)
+    if name == "signed_zeros":  # -0.0 and +0.0 must tie
+        return torch.where(torch.rand(R, W, generator=gen) < 0.5, torch.tensor(0.0), torch.tensor(-0.0))
+    if name == "few_values":  # massive ties around any threshold
+        return torch.randint(0, 5, (R, W), generator=gen).float()
+    if name == "threshold_ties":  # a few clear winners, then a flood of equal values at the threshold
+        x = torch.full((R, W), 0.5)
+        x[:, ::97] = 2.0 + torch.rand(R, (W + 96) // 97, generator=gen)
+        return x
+    if name == "one_bin":  # ReLU-weighted-sum-like rows: every value in [1, 1.245), one coarse bin
+        return 1 + 0.245 * torch.rand(R, W, generator=gen)
+    if name == "neg_inf":
+        return torch.full((R, W), float("-inf"))
+    if name == "nan":
+        return torch.full((R, W), float("nan"))
+    if name == "specials":  # NaN below -inf below finite; +inf on top
+        x = torch.randn(R, W, generator=gen)
+        u = torch.rand(R, W, generator=gen)
+        x[u < 0.3] = float("nan")
+        x[(u >= 0.3) & (u < 0.6)] = float("-inf")
+        x[u > 0.999] = float("inf")
+        return x
+    if name == "nan_neginf":  # only NaN and -inf: -inf must win
+        u = torch.rand(R, W, generator=gen)
+        return torch.where(u < 0.7, torch.tensor(float("nan")), torch.tensor(float("-inf")))
+    if name == "denormals":
+        return torch.randn(R, W, generator=gen) * 1e-42
+    if name == "ascending":  # every new element beats the previous ones
+        return torch.arange(W, dtype=torch.float32).expand(R, W).contiguous()
+    raise ValueError(name)
+
+
+PATTERNS = ["randn", "all_equal", "signed_zeros", "few_values", "threshold_ties", "one_bin", "neg_inf", "nan",
+            "specials", "nan_neginf", "denormals", "ascending"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# topk
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("W", WIDTHS)
+@pytest.mark.parametrize("k", KS)
+def test_topk_random(dtype, W, k, gen):
+    lens = _lengths(W, k, gen).to(DEV)
+    x = torch.randn(lens.shape[0], W, generator=gen).to(dtype).to(DEV)
+    a, b = _run_topk(x, lens, k)
+    _assert_same(a, b, f"topk {dtype} W={W} k={k}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("W", [W_SMEM, W_STREAM])
+def test_topk_patterns(dtype, pattern, W, gen):
+    for k in sorted({1, min(100, MAXK), min(2048, MAXK), MAXK}):
+        lens = _lengths(W, k, gen, extra_rows=1).to(DEV)
+        x = _pattern(pattern, lens.shape[0], W, gen).to(dtype).to(DEV)
+        a, b = _run_topk(x, lens, k)
+        _assert_same(a, b, f"topk {pattern} {dtype} W={W} k={k}")
+
+
+@pytest.mark.parametrize("pattern", ["randn", "one_bin", "few_values"])
+def test_topk_overflowing_threshold_bin(pattern, gen):
+    """Threshold bins far larger than the kernel's buffer must be rescanned, never truncated."""
+    W = 8 * CAND_CAP + 13
+    k = MAXK
+    x = _pattern(pattern, 4, W, gen).to(DEV)
+    lens = torch.tensor([W, W - 5, 4 * CAND_CAP, k + 1], dtype=torch.int32, device=DEV)
+    a, b = _run_topk(x, lens, k)
+    _assert_same(a, b, f"overflow {pattern}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_1m_columns(dtype, gen):
+    W = (1 << 20) if not EMU else (1 << 16)
+    x = torch.randn(3, W, generator=gen)
+    x[1] = 1 + 0.245 * torch.rand(W, generator=gen)
+    x[2] = torch.randint(0, 3, (W,), generator=gen).float()
+    x = x.to(dtype).to(DEV)
+    lens = torch.tensor([W, W - 1, W // 2 + 7], dtype=torch.int32, device=DEV)
+    for k in sorted({min(2048, MAXK), MAXK}):
+        a, b = _run_topk(x, lens, k)
+        _assert_same(a, b, f"1M {dtype} k={k}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset,pad", [(0, 0), (0, 3), (1, 5), (3, 0), (2, 64)])
+@pytest.mark.parametrize("W", [W_SMALL + 1, W_STREAM])
+def test_topk_strided_rows(dtype, offset, pad, W, gen):
+    """Padded row strides and misaligned row starts (views into a wider buffer)."""
+    k = min(512, MAXK)
+    R = 5
+    buf = torch.randn(R, W + offset + pad, generator=gen).to(dtype).to(DEV)
+    x = buf[:, offset:offset + W]
+    lens = torch.tensor([W, W - 3, k + 2, 17, W // 3], dtype=torch.int32, device=DEV)
+    a, b = _run_topk(x, lens, k)
+    _assert_same(a, b, f"strided {dtype} offset={offset} pad={pad} W={W}")
+
+
+def test_topk_empty_and_tiny(gen):
+    for R, W, k in [(0, 10, 5), (3, 0, 5), (2, 1, 1), (4, 3, MAXK)]:
+        x = torch.randn(R, W, generator=gen).to(DEV)
+        lens = torch.randint(-1, W + 2, (R,), generator=gen, dtype=torch.int32).to(DEV)
+        a, b = _run_topk(x, lens, k)
+        _assert_same(a, b, f"tiny R={R} W={W} k={k}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# sparse_topk
+# ----------------------------------------------------------------------------------------------------
+
+def _sparse_case(R, nb, cbs, gen, holes=False):
+    """Lengths, candidate blocks (contract: ascending valid ids, -1 padding; ``holes`` adds -1 entries
+    between valid ones), and logits whose invalid columns hold large garbage (must be ignored)."""
+    width = nb * cbs
+    max_pos = 4 * width
+    lens = torch.randint(0, max_pos + 1, (R,), generator=gen).tolist()
+    lens[0] = max_pos
+    lens[1 % R] = 0
+    lens[2 % R] = 5
+    blocks = testing.random_candidates(lens, nb, cbs, gen=gen)
+    if holes:
+        drop = torch.rand(blocks.shape, generator=gen) < 0.2
+        blocks = torch.where(drop, torch.full_like(blocks, -1), blocks)
+    x = torch.randn(R, width, generator=gen)
+    garbage = 10 + torch.rand(R, width, generator=gen)
+    pos, valid = reference._sparse_positions(blocks, cbs, torch.tensor(lens).clamp(min=0))
+    x = torch.where(valid, x, garbage)
+    return x, blocks, torch.tensor(lens, dtype=torch.int32)
+
+
+def _run_sparse(x, blocks, cbs, lens, k):
+    a = torch.full((x.shape[0], k), -7, dtype=torch.int32, device=x.device)
+    b = torch.full((x.shape[0], k), -9, dtype=torch.int32, device=x.device)
+    ct.sparse_topk(x, blocks, cbs, lens, k, a)
+    reference.sparse_topk(x, blocks, cbs, lens, k, b)
+    _sync()
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cbs", [8, 16, 32, 64])
+@pytest.mark.parametrize("nb_width", [W_SMALL, W_SMEM, W_STREAM])
+@pytest.mark.parametrize("holes", [False, True])
+def test_sparse_topk(dtype, cbs, nb_width, holes, gen):
+    nb = max(1, nb_width // cbs)
+    x, blocks, lens = _sparse_case(6, nb, cbs, gen, holes)
+    for k in sorted({1, min(64, MAXK), min(2048, MAXK)}):
+        a, b = _run_sparse(x.to(dtype).to(DEV), blocks.to(DEV), cbs, lens.to(DEV), k)
+        _assert_same(a, b, f"sparse {dtype} cbs={cbs} nb={nb} k={k} holes={holes}")
+
+
+@pytest.mark.parametrize("pattern", ["few_values", "one_bin", "specials", "all_equal"])
+def test_sparse_topk_ties(pattern, gen):
+    cbs = 16
+    nb = W_STREAM // cbs
+    x, blocks, lens = _sparse_case(4, nb, cbs, gen)
+    pos, valid = reference._sparse_positions(blocks, cbs, lens.long().clamp(min=0))
+    x = torch.where(valid, _pattern(pattern, 4, nb * cbs, gen), x)
+    k = min(2048, MAXK)
+    a, b = _run_sparse(x.to(DEV), blocks.to(DEV), cbs, lens.to(DEV), k)
+    _assert_same(a, b, f"sparse ties {pattern}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# block_topk
+# ----------------------------------------------------------------------------------------------------
+
+def _run_block(x, lens, cbs, nbk):
+    a = torch.full((x.shape[0], nbk), -7, dtype=torch.int32, device=x.device)
+    b = torch.full((x.shape[0], nbk), -9, dtype=torch.int32, device=x.device)
+    ct.block_topk(x, lens, cbs, a)
+    reference.block_topk(x, lens, cbs, b)
+    _sync()
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cbs", [8, 16, 32, 64])
+@pytest.mark.parametrize("width", ["small", "smem", "stream"])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_block_topk(dtype, cbs, width, offset, gen):
+    """offset 1 misaligns every row start (the kernel's scalar path)."""
+    # "stream": more blocks than the shared-memory limit.
+    W = {"small": W_SMALL + 3, "smem": 4 * SMEM_KEYS + 5, "stream": cbs * (SMEM_KEYS + 100) + 9}[width]
+    for nbk in sorted({1, min(64, MAXK), min(2048, MAXK)}):
+        lens = _lengths(W, nbk * cbs, gen, extra_rows=1).to(DEV)
+        buf = torch.randn(lens.shape[0], W + offset, generator=gen).to(dtype).to(DEV)
+        a, b = _run_block(buf[:, offset:], lens, cbs, nbk)
+        _assert_same(a, b, f"block {dtype} cbs={cbs} W={W} offset={offset} nbk={nbk}")
+
+
+@pytest.mark.parametrize("pattern", ["few_values", "specials", "nan_neginf", "all_equal", "one_bin"])
+@pytest.mark.parametrize("W", [W_SMALL * 8, 8 * SMEM_KEYS + 5])
+def test_block_topk_patterns(pattern, W, gen):
+    cbs = 8
+    nbk = min(2048, MAXK)
+    x = _pattern(pattern, 4, W, gen).to(DEV)
+    lens = torch.tensor([W, W - 9, nbk * cbs + 3, 9], dtype=torch.int32, device=DEV)
+    a, b = _run_block(x, lens, cbs, nbk)
+    _assert_same(a, b, f"block {pattern} W={W}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Determinism, graphs, dispatch
+# ----------------------------------------------------------------------------------------------------
+
+def test_bitwise_repeatable(gen):
+    runs = 50 if not EMU else 3
+    W = W_STREAM
+    x = _pattern("few_values", 4, W, gen).to(DEV)
+    lens = torch.tensor([W, W - 1, W // 2, 3000], dtype=torch.int32, device=DEV)
+    k = min(2048, MAXK)
+    first = torch.empty(4, k, dtype=torch.int32, device=DEV)
+    ct.topk(x, lens, k, first)
+    blocks = torch.empty(4, min(1024, MAXK), dtype=torch.int32, device=DEV)
+    ct.block_topk(x, lens, 8, blocks)
+    for _ in range(runs):
+        again = torch.empty_like(first)
+        ct.topk(x, lens, k, again)
+        testing.assert_bitwise_equal(again, first)
+        again_b = torch.empty_like(blocks)
+        ct.block_topk(x, lens, 8, again_b)
+        testing.assert_bitwise_equal(again_b, blocks)
+
+
+@gpu_only
+def test_cuda_graph_replay(gen):
+    R, W, k, cbs = 8, 40000, 2048, 16
+    nb = 1024
+    x = torch.zeros(R, W, device=DEV)
+    lens = torch.zeros(R, dtype=torch.int32, device=DEV)
+    xs = torch.zeros(R, nb * cbs, device=DEV)
+    blocks = torch.full((R, nb), -1, dtype=torch.int32, device=DEV)
+    slens = torch.zeros(R, dtype=torch.int32, device=DEV)
+    out = torch.empty(R, k, dtype=torch.int32, device=DEV)
+    sout = torch.empty(R, k, dtype=torch.int32, device=DEV)
+    bout = torch.empty(R, 512, dtype=torch.int32, device=DEV)
+
+    def step():
+        ct.topk(x, lens, k, out)
+        ct.sparse_topk(xs, blocks, cbs, slens, k, sout)
+        ct.block_topk(x, lens, 8, bout)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for it in range(4):
+        pattern = ["randn", "few_values", "one_bin", "specials"][it]
+        x.copy_(_pattern(pattern, R, W, gen))
+        lens.copy_(torch.randint(-2, W + 3, (R,), generator=gen, dtype=torch.int32))
+        sx, sb, sl = _sparse_case(R, nb, cbs, gen)
+        xs.copy_(sx)
+        blocks.copy_(sb)
+        slens.copy_(sl)
+        out.fill_(-5)
+        sout.fill_(-5)
+        bout.fill_(-5)
+        g.replay()
+        torch.cuda.synchronize()
+        for got, fn, args, width in [(out, reference.topk, (x, lens, k), k),
+                                     (sout, reference.sparse_topk, (xs, blocks, cbs, slens, k), k),
+                                     (bout, reference.block_topk, (x, lens, 8), 512)]:
+            exp = torch.empty(R, width, dtype=torch.int32, device=DEV)
+            fn(*args, exp)
+            _assert_same(got, exp, f"graph replay {it} {fn.__name__}")
+
+
+@gpu_only
+def test_dispatch_uses_cuda_backend(gen):
+    x = torch.randn(4, 5000, generator=gen).to(DEV)
+    lens = torch.tensor([5000, 10, 0, 4000], dtype=torch.int32, device=DEV)
+    out = torch.empty(4, 256, dtype=torch.int32, device=DEV)
+    assert backends.select("topk", x, lens, 256, out).name == "cuda"
+    torch.ops.sparse_indexer.topk(x, lens, 256, out)
+    exp = torch.empty_like(out)
+    reference.topk(x, lens, 256, exp)
+    _assert_same(out, exp, "dispatched topk")
+    cb = torch.empty(4, 64, dtype=torch.int32, device=DEV)
+    assert backends.select("block_topk", x, lens, 16, cb).name == "cuda"
+    assert backends.select("sparse_topk", x[:, :4096], torch.zeros(4, 256, dtype=torch.int32, device=DEV), 16,
+                           lens, 256, out).name == "cuda"

@@ -1,0 +1,183 @@
+"""CUDA top-k kernels (``csrc/topk.cu``): exact, deterministic ``topk``, ``sparse_topk`` and ``block_topk``.
+
+The kernels live in a standalone shared library, ``torch_sparse_indexer/_C/libsparse_indexer_topk.so``,
+built ahead of time by ``pip install .`` (or ``csrc/build.sh``) with a plain ``nvcc``. It exposes a C ABI
+over raw device pointers and takes the stream as an integer, so one build serves every torch version;
+it is loaded with :mod:`ctypes` only when present and CUDA is available. Importing never compiles.
+
+Calls pass ``tensor.data_ptr()`` and ``torch.cuda.current_stream().cuda_stream``: they never sync,
+never allocate and need no workspace, so they can be captured in CUDA graphs. Inputs are validated by
+:mod:`torch_sparse_indexer.ops` before any backend runs; the ``supports_*`` functions only decline
+calls the library cannot take (device, capability, dtype, layout).
+
+Out-of-contract device values follow :mod:`torch_sparse_indexer.reference` (lengths clamped, -1 blocks
+skipped). One documented difference: for ``sparse_topk``, ties are broken by column order, which is
+position order exactly when the valid block ids of a row are ascending and unique (the contract);
+unsorted or repeated ids give a correct multiset of scores but may order or tie-break differently.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Optional
+
+import torch
+
+LIB_NAME = "libsparse_indexer_topk.so"
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+_lib: Optional[ctypes.CDLL] = None
+_load_error: Optional[str] = None
+_capability_ok: dict[int, bool] = {}
+
+
+def library_path() -> str:
+    """Where the library is looked up (``TORCH_SPARSE_INDEXER_TOPK_LIB`` overrides)."""
+    env = os.environ.get("TORCH_SPARSE_INDEXER_TOPK_LIB")
+    if env:
+        return env
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_C", LIB_NAME)
+
+
+def load(path: Optional[str] = None) -> ctypes.CDLL:
+    """Load the library (``path`` defaults to :func:`library_path`) and declare its C signatures."""
+    global _lib
+    lib = ctypes.CDLL(path or library_path())
+    vp, ll, i32, up = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_size_t
+    lib.tsi_topk.argtypes = [vp, ll, i32, i32, i32, vp, i32, vp, up]
+    lib.tsi_sparse_topk.argtypes = [vp, ll, i32, i32, vp, i32, i32, vp, i32, vp, up]
+    lib.tsi_block_topk.argtypes = [vp, ll, i32, i32, i32, vp, i32, vp, i32, up]
+    for f in (lib.tsi_topk, lib.tsi_sparse_topk, lib.tsi_block_topk, lib.tsi_topk_version, lib.tsi_topk_max_k,
+              lib.tsi_topk_smem_keys, lib.tsi_topk_cand_cap):
+        f.restype = ctypes.c_int
+    lib.tsi_topk_error_string.argtypes = [ctypes.c_int]
+    lib.tsi_topk_error_string.restype = ctypes.c_char_p
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    """True when the library is built and loaded (loads it on first call)."""
+    global _load_error
+    if _lib is not None:
+        return True
+    if _load_error is not None:
+        return False
+    path = library_path()
+    if not os.path.exists(path):
+        _load_error = f"{path} not built (pip install . on a machine with nvcc, or csrc/build.sh)"
+        return False
+    try:
+        load(path)
+    except OSError as e:
+        _load_error = f"cannot load {path}: {e}"
+        return False
+    return True
+
+
+def max_k() -> int:
+    """Largest ``k`` (and ``num_blocks`` for ``block_topk``) the library takes."""
+    return int(_lib.tsi_topk_max_k()) if available() else 0
+
+
+def tuning() -> dict:
+    """The library's path thresholds: ``smem_keys`` (rows selected in shared memory) and ``cand_cap``."""
+    if not available():
+        return {}
+    return {"smem_keys": int(_lib.tsi_topk_smem_keys()), "cand_cap": int(_lib.tsi_topk_cand_cap())}
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def _check(code: int, op: str) -> None:
+    if code != 0:
+        msg = _lib.tsi_topk_error_string(code).decode(errors="replace")
+        raise RuntimeError(f"sparse_indexer.{op} (cuda backend): kernel launch failed with CUDA error {code}: {msg}")
+
+
+def _row_stride(logits: torch.Tensor) -> int:
+    R, W = logits.shape
+    return logits.stride(0) if R > 1 else W
+
+
+# ----------------------------------------------------------------------------------------------------
+# supports(): static facts only (device, capability, dtype, layout, sizes)
+# ----------------------------------------------------------------------------------------------------
+
+def _common_reason(logits: torch.Tensor, kk: int) -> Optional[str]:
+    if not logits.is_cuda:
+        return f"needs CUDA tensors, got {logits.device}"
+    if not available():
+        return _load_error or "library not loaded"
+    dev = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
+    ok = _capability_ok.get(dev)
+    if ok is None:
+        ok = _capability_ok[dev] = torch.cuda.get_device_capability(dev) >= (9, 0)
+    if not ok:
+        return f"needs compute capability >= 9.0, got {torch.cuda.get_device_capability(dev)}"
+    if logits.dtype not in _DTYPE_CODE:
+        return f"logits dtype float32 or bfloat16 expected, got {logits.dtype}"
+    R, W = logits.shape
+    if W > 1 and logits.stride(1) != 1:
+        return f"logits needs stride(1) == 1, got {logits.stride(1)}"
+    if R > 1 and logits.stride(0) < W:
+        return f"logits needs stride(0) >= width {W}, got {logits.stride(0)}"
+    if W >= 2 ** 31 // 2 or R >= 2 ** 31:
+        return f"logits shape {tuple(logits.shape)} too large for 32-bit indexing"
+    if kk > max_k():
+        return f"k (or num_blocks) <= {max_k()} expected, got {kk}"
+    return None
+
+
+def supports_topk(logits, lengths, k, indices) -> Optional[str]:
+    return _common_reason(logits, k)
+
+
+def supports_sparse_topk(logits, candidate_blocks, cbs, lengths, k, indices) -> Optional[str]:
+    return _common_reason(logits, k)
+
+
+def supports_block_topk(logits, lengths, cbs, candidate_blocks) -> Optional[str]:
+    return _common_reason(logits, candidate_blocks.shape[1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels (same signatures as the ops; outputs written in place)
+# ----------------------------------------------------------------------------------------------------
+
+def topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, indices: torch.Tensor) -> None:
+    """``logits [R, W]`` f32/bf16, ``lengths int32 [R]`` -> ``indices int32 [R, k]`` (ascending, -1 padded)."""
+    R, W = logits.shape
+    code = _lib.tsi_topk(logits.data_ptr(), _row_stride(logits), R, W, _DTYPE_CODE[logits.dtype],
+                         lengths.data_ptr(), k, indices.data_ptr(), _stream(logits))
+    _check(code, "topk")
+
+
+def sparse_topk(logits: torch.Tensor, candidate_blocks: torch.Tensor, cbs: int, lengths: torch.Tensor, k: int,
+                indices: torch.Tensor) -> None:
+    """``logits [R, nb * cbs]``, ``candidate_blocks int32 [R, nb]`` -> request-local positions ``[R, k]``."""
+    R = logits.shape[0]
+    nb = candidate_blocks.shape[1]
+    code = _lib.tsi_sparse_topk(logits.data_ptr(), _row_stride(logits), R, _DTYPE_CODE[logits.dtype],
+                                candidate_blocks.data_ptr(), nb, cbs, lengths.data_ptr(), k, indices.data_ptr(),
+                                _stream(logits))
+    _check(code, "sparse_topk")
+
+
+def block_topk(logits: torch.Tensor, lengths: torch.Tensor, cbs: int, candidate_blocks: torch.Tensor) -> None:
+    """``logits [R, W]`` -> the best ``num_blocks`` blocks of ``cbs`` columns, ``int32 [R, num_blocks]``."""
+    R, W = logits.shape
+    code = _lib.tsi_block_topk(logits.data_ptr(), _row_stride(logits), R, W, _DTYPE_CODE[logits.dtype],
+                               lengths.data_ptr(), cbs, candidate_blocks.data_ptr(), candidate_blocks.shape[1],
+                               _stream(logits))
+    _check(code, "block_topk")
+
+
+def register() -> None:
+    from .. import backends
+
+    backends.register("topk", "cuda", topk, supports=supports_topk, priority=20)
+    backends.register("sparse_topk", "cuda", sparse_topk, supports=supports_sparse_topk, priority=20)
+    backends.register("block_topk", "cuda", block_topk, supports=supports_block_topk, priority=20)
