@@ -12,6 +12,8 @@ from .functional import (
     paged_sparse_mqa_logits, topk, sparse_topk, block_topk, indexer_prefill, indexer_decode,
     sparse_indexer_prefill, sparse_indexer_decode,
 )
+from .metadata import IndexerCapacities, IndexerMetadata, IndexerMetadataBuilder
+from .layers import IndexerKCache, MQAIndexer, SparseMQAIndexer
 
 __version__ = "0.1.0"
 
@@ -20,4 +22,6 @@ __all__ = [
     "write_k_cache", "gather_k", "quantize_q", "mqa_logits", "paged_mqa_logits", "sparse_mqa_logits",
     "paged_sparse_mqa_logits", "topk", "sparse_topk", "block_topk", "indexer_prefill", "indexer_decode",
     "sparse_indexer_prefill", "sparse_indexer_decode",
+    "IndexerCapacities", "IndexerMetadata", "IndexerMetadataBuilder", "IndexerKCache", "MQAIndexer",
+    "SparseMQAIndexer",
 ]
