@@ -231,6 +231,16 @@ def op_args(op, fmt="fp8", T=3, H=8, D=64, N=10, BS=16, CBS=8, TOPK=4, L=32, see
     sws = torch.zeros(workspace.sparse_workspace_bytes(max(T, 1), 2, CBS), dtype=torch.uint8)
     kdt = formats.FP8_DTYPE if fmt == "fp8" else torch.uint8
     lens = torch.tensor([3, L, 0, 1, L // 2], **i32)[:T]
+    col = torch.arange(L)
+    cp_positions = torch.where(col < lens[:, None], 2 * col + 1, -1).to(torch.int32)
+
+    def cp_entries(width, stride):
+        """int32 [2, T, width]: rank w's ids ``w + stride * j`` (stride 1: ranks share ids), the last one -1
+        on odd rows."""
+        e = torch.arange(2)[:, None, None] + stride * torch.arange(width)[None, None, :]
+        e = e.expand(2, T, width).clone()
+        e[:, 1::2, -1] = -1
+        return e.to(torch.int32)
     table = {
         "write_k_cache": lambda: dict(k=torch.randn(5, D, generator=g),
                                       slot_mapping=torch.tensor([0, 3, -1, 17, 4 * BS - 1]),
@@ -260,6 +270,15 @@ def op_args(op, fmt="fp8", T=3, H=8, D=64, N=10, BS=16, CBS=8, TOPK=4, L=32, see
                                                topk_indices=idx),
         "sparse_indexer_decode": lambda: dict(decode, candidate_blocks=cb, cbs=CBS, topk=TOPK, workspace=sws,
                                               topk_indices=idx),
+        # context parallelism: rank 1 of 2 (interleave 1) holds the odd positions; merges get 2 ranks' entries
+        "cp_local_topk": lambda: dict(logits=special_logits(T, L, g), positions=cp_positions, k=TOPK,
+                                      scores=torch.zeros(T, TOPK), out_positions=torch.zeros(T, TOPK, **i32)),
+        "cp_topk_merge": lambda: dict(scores=special_logits(2 * T, TOPK, g).view(2, T, TOPK),
+                                      positions=cp_entries(TOPK, 2), k=TOPK, indices=idx),
+        "cp_local_block_topk": lambda: dict(logits=special_logits(T, L, g), positions=cp_positions, cbs=CBS,
+                                            scores=torch.zeros(T, 2), blocks=torch.zeros(T, 2, **i32)),
+        "cp_block_merge": lambda: dict(scores=special_logits(2 * T, 3, g).view(2, T, 3), blocks=cp_entries(3, 1),
+                                       candidate_blocks=torch.zeros(T, 2, **i32)),
     }
     a = table[op]()
     return {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in a.items()}

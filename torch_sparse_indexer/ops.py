@@ -36,6 +36,11 @@ SCHEMAS = {
     "indexer_decode": f"indexer_decode({_Q}, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_table, Tensor? req_indices, int max_context, int topk, int cbs, Tensor(a!) workspace, Tensor(b!) topk_indices, Tensor(c!)? candidate_blocks) -> ()",
     "sparse_indexer_prefill": f"sparse_indexer_prefill({_Q}, Tensor k, Tensor k_scale, Tensor weights, Tensor ks, Tensor ke, Tensor candidate_blocks, int cbs, int topk, Tensor(a!) workspace, Tensor(b!) topk_indices) -> ()",
     "sparse_indexer_decode": f"sparse_indexer_decode({_Q}, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_table, Tensor? req_indices, Tensor candidate_blocks, int cbs, int topk, Tensor(a!) workspace, Tensor(b!) topk_indices) -> ()",
+    # Context parallelism (torch_sparse_indexer.distributed): per-rank candidates and their exact merge.
+    "cp_local_topk": "cp_local_topk(Tensor logits, Tensor positions, int k, Tensor(a!) scores, Tensor(b!) out_positions) -> ()",
+    "cp_topk_merge": "cp_topk_merge(Tensor scores, Tensor positions, int k, Tensor(a!) indices) -> ()",
+    "cp_local_block_topk": "cp_local_block_topk(Tensor logits, Tensor positions, int cbs, Tensor(a!) scores, Tensor(b!) blocks) -> ()",
+    "cp_block_merge": "cp_block_merge(Tensor scores, Tensor blocks, Tensor(a!) candidate_blocks) -> ()",
 }
 
 
@@ -389,6 +394,56 @@ def _validate_sparse_indexer_decode(q, q_scale, kv_cache, weights, context_lens,
     _same_device(q=q, q_scale=q_scale, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
                  block_table=block_table, req_indices=req_indices, candidate_blocks=candidate_blocks,
                  workspace=ws, topk_indices=topk_indices)
+
+
+def _validate_cp_entries(sname, scores, sdtypes, iname, ids, ndim):
+    """Candidate entries: scores and int32 ids of one shape, stride(-1) == 1 (views of a gather buffer)."""
+    _tensor(sname, scores, dtypes=sdtypes, ndim=ndim)
+    _last_dim_contig(sname, scores)
+    _tensor(iname, ids, dtypes=_INT32, ndim=ndim)
+    _shape(iname, ids, tuple(scores.shape))
+    _last_dim_contig(iname, ids)
+
+
+def _validate_cp_out(sname, scores, iname, ids, rows, width=None):
+    _tensor(sname, scores, dtypes=(torch.float32,), ndim=2)
+    _shape(sname, scores, (rows, width))
+    _contig(sname, scores)
+    _tensor(iname, ids, dtypes=_INT32, ndim=2)
+    _shape(iname, ids, (rows, scores.shape[1]))
+    _contig(iname, ids)
+    if scores.shape[1] < 1:
+        raise ValueError(f"{sname}: expected at least one column, got shape {list(scores.shape)}")
+
+
+def _validate_cp_local_topk(logits, positions, k, scores, out_positions):
+    _validate_cp_entries("logits", logits, _LOGITS, "positions", positions, 2)
+    _static_int("k", k, lo=1, hi=formats.MAX_TOPK)
+    _validate_cp_out("scores", scores, "out_positions", out_positions, logits.shape[0], k)
+    _same_device(logits=logits, positions=positions, scores=scores, out_positions=out_positions)
+
+
+def _validate_cp_topk_merge(scores, positions, k, indices):
+    _validate_cp_entries("scores", scores, (torch.float32,), "positions", positions, 3)
+    _validate_topk_out(indices, scores.shape[1], k)
+    _same_device(scores=scores, positions=positions, indices=indices)
+
+
+def _validate_cp_local_block_topk(logits, positions, cbs, scores, blocks):
+    _validate_cp_entries("logits", logits, _LOGITS, "positions", positions, 2)
+    _static_int("cbs", cbs, formats.CANDIDATE_BLOCK_SIZES)
+    _validate_cp_out("scores", scores, "blocks", blocks, logits.shape[0])
+    _same_device(logits=logits, positions=positions, scores=scores, blocks=blocks)
+
+
+def _validate_cp_block_merge(scores, blocks, candidate_blocks):
+    _validate_cp_entries("scores", scores, (torch.float32,), "blocks", blocks, 3)
+    _tensor("candidate_blocks", candidate_blocks, dtypes=_INT32, ndim=2)
+    _shape("candidate_blocks", candidate_blocks, (scores.shape[1], None))
+    _contig("candidate_blocks", candidate_blocks)
+    if candidate_blocks.shape[1] < 1:
+        raise ValueError(f"candidate_blocks: expected at least one column, got shape {list(candidate_blocks.shape)}")
+    _same_device(scores=scores, blocks=blocks, candidate_blocks=candidate_blocks)
 
 
 VALIDATORS = {name: globals()[f"_validate_{name}"] for name in SCHEMAS}

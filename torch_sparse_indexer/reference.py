@@ -337,3 +337,110 @@ def block_topk(logits, lengths, cbs, candidate_blocks):
         b = torch.arange(scores.shape[1], device=logits.device).expand_as(scores)
         _select(scores, b, b < nvalid[:, None], nbk, candidate_blocks[r0:r1])
 
+
+# ----------------------------------------------------------------------------------------------------
+# Context-parallel selection (see torch_sparse_indexer.distributed): per-rank candidates and their merge.
+# An entry is (score, global position or block id); an id < 0 marks an empty entry. The order is the one
+# above (rank_key descending, then lower id), so the merged result equals the single-GPU selection.
+# ----------------------------------------------------------------------------------------------------
+
+_BIG_ID = torch.iinfo(torch.int64).max
+
+
+def _best_columns(key, ids, valid, k):
+    """Columns of the ``min(k, #valid)`` best valid entries per row (key descending, then id ascending),
+    reordered by id ascending; and the mask of real ones among the ``min(k, C)`` returned (a prefix)."""
+    R, C = key.shape
+    key = torch.where(valid, key, torch.full_like(key, _NEG_INF))
+    by_id = torch.argsort(torch.where(valid, ids, torch.full_like(ids, _BIG_ID)), dim=1, stable=True)
+    order = torch.argsort(key.gather(1, by_id), dim=1, descending=True, stable=True)
+    take = min(k, C)
+    cols = by_id.gather(1, order[:, :take])
+    real = torch.arange(take, device=key.device)[None, :] < valid.sum(dim=1, keepdim=True)
+    by_id2 = torch.argsort(torch.where(real, ids.gather(1, cols), torch.full_like(cols, _BIG_ID)), dim=1, stable=True)
+    return cols.gather(1, by_id2), real
+
+
+def _keep_block_max(key, ids, valid):
+    """``valid`` restricted to one entry per (row, id): the one with the best key (first column on ties)."""
+    key = torch.where(valid, key, torch.full_like(key, _NEG_INF))
+    by_key = torch.argsort(key, dim=1, descending=True, stable=True)
+    ids_k = torch.where(valid, ids, torch.full_like(ids, _BIG_ID)).gather(1, by_key)
+    by_id = torch.argsort(ids_k, dim=1, stable=True)
+    order = by_key.gather(1, by_id)  # id ascending, then key descending
+    ids_s = ids_k.gather(1, by_id)
+    first = torch.ones_like(ids_s, dtype=torch.bool)
+    first[:, 1:] = ids_s[:, 1:] != ids_s[:, :-1]
+    keep = torch.zeros_like(valid)
+    keep.scatter_(1, order, first & (ids_s != _BIG_ID))
+    return keep
+
+
+def _write_entries(cols, real, values, ids, scores_out, ids_out):
+    take = cols.shape[1]
+    s = torch.where(real, values.gather(1, cols).float(), torch.full(cols.shape, _NEG_INF, device=cols.device))
+    p = torch.where(real, ids.gather(1, cols), torch.full_like(cols, -1))
+    scores_out[:, take:].fill_(_NEG_INF)
+    ids_out[:, take:].fill_(-1)
+    scores_out[:, :take].copy_(s)
+    ids_out[:, :take].copy_(p.to(ids_out.dtype))
+
+
+def cp_local_topk(logits, positions, k, scores, out_positions):
+    """One rank's top-k candidates: ``logits [R, C]`` with the global position of each column
+    (``positions [R, C]`` int32, < 0: not selectable). Writes the best ``min(k, #valid)`` entries as
+    ``out_positions [R, k]`` ascending then -1, and their scores (float32 ``[R, k]``, -inf on padding)."""
+    R, C = logits.shape
+    starts, rc = _row_chunks(R, C)
+    for r0 in starts:
+        r1 = min(R, r0 + rc)
+        pos = positions[r0:r1].long()
+        cols, real = _best_columns(rank_key(logits[r0:r1]), pos, pos >= 0, k)
+        _write_entries(cols, real, logits[r0:r1], pos, scores[r0:r1], out_positions[r0:r1])
+
+
+def _flatten_ranks(x):
+    """``[W, R, C]`` -> ``[R, W * C]`` (every rank's entries of a row side by side)."""
+    W, R, C = x.shape
+    return x.permute(1, 0, 2).reshape(R, W * C)
+
+
+def cp_topk_merge(scores, positions, k, indices):
+    """Exact global top-k from every rank's candidates ``scores/positions [W, R, C]`` (positions distinct
+    across ranks; < 0: empty): ``indices [R, k]`` ascending, -1 padded, as ``topk`` on the whole row."""
+    s, p = _flatten_ranks(scores), _flatten_ranks(positions).long()
+    starts, rc = _row_chunks(s.shape[0], s.shape[1])
+    for r0 in starts:
+        r1 = min(s.shape[0], r0 + rc)
+        _select(rank_key(s[r0:r1]), p[r0:r1], p[r0:r1] >= 0, k, indices[r0:r1])
+
+
+def cp_local_block_topk(logits, positions, cbs, scores, blocks):
+    """One rank's candidate blocks: the partial block score of global block ``b`` is the max of the
+    row's selectable entries with ``positions // cbs == b``; writes the ``m = blocks.shape[1]`` best
+    (score descending, lower id) as ``blocks [R, m]`` ascending then -1, with their partial scores."""
+    R, C = logits.shape
+    m = blocks.shape[1]
+    starts, rc = _row_chunks(R, C)
+    for r0 in starts:
+        r1 = min(R, r0 + rc)
+        pos = positions[r0:r1].long()
+        valid = pos >= 0
+        ids = torch.where(valid, pos.div(cbs, rounding_mode="floor"), torch.full_like(pos, -1))
+        key = rank_key(logits[r0:r1])
+        cols, real = _best_columns(key, ids, _keep_block_max(key, ids, valid), m)
+        _write_entries(cols, real, logits[r0:r1], ids, scores[r0:r1], blocks[r0:r1])
+
+
+def cp_block_merge(scores, blocks, candidate_blocks):
+    """Exact global candidate blocks from every rank's partial block scores ``scores/blocks [W, R, C]``
+    (a block may come from several ranks: its score is the max): ``candidate_blocks [R, m]`` as
+    ``block_topk`` on the whole row."""
+    s, b = _flatten_ranks(scores), _flatten_ranks(blocks).long()
+    m = candidate_blocks.shape[1]
+    starts, rc = _row_chunks(s.shape[0], s.shape[1])
+    for r0 in starts:
+        r1 = min(s.shape[0], r0 + rc)
+        key = rank_key(s[r0:r1])
+        valid = b[r0:r1] >= 0
+        _select(key, b[r0:r1], _keep_block_max(key, b[r0:r1], valid), m, candidate_blocks[r0:r1])
