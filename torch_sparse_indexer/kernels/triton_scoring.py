@@ -159,7 +159,8 @@ def _tile_scores(kv_ptr, koff, sc_ptr, sidx, kmask, q8, qg0, qg1, qg2, qg3, sq0,
                      other=0.0)
         acc = tl.dot(kb, tl.trans(q8))
         ksc = tl.load(sc_ptr + sidx, mask=kmask, other=0.0)
-    return tl.maximum(acc, 0.0) * wv[None, :], ksc
+    # Not tl.maximum: its PTX max drops NaN, and a NaN score from garbage cache bytes must stay NaN (SPEC 2).
+    return tl.where(acc < 0.0, 0.0, acc) * wv[None, :], ksc
 
 
 @triton.jit
