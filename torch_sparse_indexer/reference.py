@@ -1,6 +1,8 @@
 """Reference backend: pure PyTorch, every device. It defines the semantics (SPEC sections 2-4).
 
-Scores are computed in float32 on dequantized inputs; selection is exact on a float64 rank key.
+Scores are computed in float64 on dequantized inputs (exact dot products, a fixed head-sum order, so a row's
+scores never depend on the other rows of the batch) and rounded to the logits dtype; selection is exact on a
+float64 rank key.
 Everything is chunked over rows and columns so no call materializes more than ``MEMORY_BUDGET`` bytes
 of intermediates beyond its outputs, whatever the context length.
 
@@ -50,7 +52,7 @@ def _score_positions(qd, w, rows_n, fetch, pos, valid, out):
     C = pos.shape[1]
     if R == 0 or C == 0:
         return
-    per_elem = (D + H + 4) * 4
+    per_elem = (3 * D + 2 * H + 8) * 4
     rc = max(1, min(R, MEMORY_BUDGET // max(1, per_elem * min(C, 1024))))
     for r0 in range(0, R, rc):
         r1 = min(R, r0 + rc)
@@ -60,8 +62,15 @@ def _score_positions(qd, w, rows_n, fetch, pos, valid, out):
             p = pos[r0:r1, c0:c1]
             v = valid[r0:r1, c0:c1]
             kd, kscale = fetch(r0, r1, p, v)
-            dots = torch.einsum("rhd,rcd->rhc", qd[r0:r1], kd).relu_()
-            s = torch.einsum("rh,rhc->rc", w[r0:r1], dots) * kscale
+            # A row's scores must not depend on which rows share the batch or on the chunking: float32 BLAS
+            # picks its summation order by shape. In float64 the dots of e4m3 (and e2m1) values are exact, so
+            # any order gives the same bits, and the head sum runs in a fixed order.
+            dots = torch.einsum("rhd,rcd->rhc", qd[r0:r1].double(), kd.double()).relu_()
+            wr = w[r0:r1].double()
+            s = wr[:, 0, None] * dots[:, 0]
+            for h in range(1, H):
+                s += wr[:, h, None] * dots[:, h]
+            s *= kscale
             out[r0:r1, c0:c1] = torch.where(v, s, torch.full_like(s, _NEG_INF)).to(out.dtype)
 
 
