@@ -213,6 +213,19 @@ def test_capacity_overflow_is_masked_and_counted():
     assert m.slot_mapping.tolist() == [8, 9, 10, 11, 37, 38, 39]
 
 
+def test_packed_capacity_boundary():
+    """Packed K ending exactly at max_packed_k fits; one more key does not (that request and the next are
+    masked, though the next would fit on its own)."""
+    caps = IndexerCapacities(max_decode_rows=1, max_prefill_rows=6, max_packed_k=50, max_reqs=3,
+                             max_blocks_per_req=4, block_size=16)
+    b = IndexerMetadataBuilder(caps)
+    m = b.build(*_tensors([0, 1, 2, 3], [20, 30, 5], [[0, 1, 2, 3]] * 3), 0)
+    assert m.cu_seq_lens.tolist() == [0, 20, 50, 50] and m.row_len.tolist()[:3] == [20, 30, 0]
+    m = b.build(*_tensors([0, 1, 2, 3], [20, 31, 5], [[0, 1, 2, 3]] * 3), 0)
+    assert m.cu_seq_lens.tolist() == [0, 20, 20, 20] and m.row_len.tolist()[:3] == [20, 0, 0]
+    assert m.num_dropped_rows.tolist() == [2]
+
+
 def test_given_slot_mapping_is_copied():
     caps = CAPS[0]
     b = IndexerMetadataBuilder(caps)

@@ -20,9 +20,12 @@ How a step runs (``c`` = the metadata's capacities, ``T = q.shape[0] <= c.max_to
    ``T`` rows (decode rows have ``ks == ke``, so they come out ``-1``).
 3. ``c.max_decode_rows > 0``: the decode op runs on rows ``[0, min(T, max_decode_rows))`` over the paged
    cache (prefill rows there have length 0, so they come out ``-1``). With a prefill part too it writes to
-   a scratch buffer that is merged by an elementwise ``max``: exact, because on every row one of the two
-   results is all ``-1`` and the other is ``>= -1``. Without a prefill part, rows past the decode capacity
-   are set to ``-1``.
+   a scratch buffer merged into those rows by an elementwise ``max`` (``sparse_indexer_layers.merge_rows``):
+   exact, because on every row one of the two results is all ``-1`` and the other is ``>= -1``. Without a
+   prefill part (decode-only capacities, ``T <= max_decode_rows``) it writes the rows directly.
+
+The layers' capacities are the largest a step may have; a step's metadata may have smaller ones (a
+decode-only graph, prefill buckets) as long as they fit (checked on the host in ``forward``).
 
 Candidate blocks (``candidate_blocks [max_tokens, num_candidate_blocks]``, units of
 ``candidate_block_size``) are published and merged the same way.
@@ -93,6 +96,7 @@ class IndexerKCache(nn.Module):
         self.num_blocks = num_blocks
         self.pow2_scale = pow2_scale
         self.register_buffer("kv_cache", kv_cache, persistent=False)
+        torch._dynamo.mark_static_address(kv_cache, guard=False)
 
     def write(self, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Quantize ``k [T, head_dim]`` (bf16/fp16/fp32) into the slots ``slot_mapping [T]`` (int64/int32,

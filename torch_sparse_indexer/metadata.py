@@ -246,7 +246,8 @@ class IndexerMetadataBuilder(nn.Module):
         if with_slot_mapping:
             reg("_tflat", torch.zeros(T, dtype=torch.int64, device=device), persistent=False)
             reg("_tpage", torch.zeros(T, **i32), persistent=False)
-        for t in self.metadata_tensors():
+        # Static for cudagraph trees (reduce-overhead): graphs mutate them in place at fixed addresses.
+        for t in self.buffers():
             torch._dynamo.mark_static_address(t, guard=False)
 
     def metadata_tensors(self):
