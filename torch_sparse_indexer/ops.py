@@ -273,6 +273,8 @@ def _validate_quantize_q(q, weights, fmt, weight_scale):
         raise ValueError(f"q: expected head dim (dim 2) in {formats.HEAD_DIMS}, got {D}")
     _tensor("weights", weights, dtypes=(torch.float32, torch.bfloat16), ndim=2)
     _shape("weights", weights, (T, H))
+    if not -float("inf") < weight_scale < float("inf"):  # NaN fails both comparisons
+        raise ValueError(f"weight_scale: expected a finite float, got {weight_scale}")
     _same_device(q=q, weights=weights)
 
 
