@@ -44,4 +44,15 @@ echo "== benchmarks ($(left) s left)"
 timeout $(( $(left) > 30 ? $(left) : 30 )) python3 benchmarks/bench.py --suite topk --out "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 tail -n 40 "$OUT/bench.log"
+
+# Other builds of the library (torch_sparse_indexer/_C/variant_*.so), target shapes only.
+for v in torch_sparse_indexer/_C/variant_*.so; do
+  [ -f "$v" ] || continue
+  name=$(basename "$v" .so)
+  echo "== $name ($(left) s left)"
+  [ "$(left)" -gt 20 ] || break
+  TORCH_SPARSE_INDEXER_TOPK_LIB="$PWD/$v" TSI_BENCH_TOPK_TARGETS=1 timeout $(left) \
+    python3 benchmarks/bench.py --suite topk --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+  grep "^\[topk\]" "$OUT/$name.log"
+done
 echo "total $(( $(date +%s) - START )) s"

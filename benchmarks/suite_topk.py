@@ -14,8 +14,12 @@ per-row lengths: ``masked_fill`` then ``torch.topk``; for ``block_topk`` a maske
 scores: the measured floor). ``floor_us`` = score bytes / copy bandwidth; ``x_torch`` = torch.topk+mask time /
 ours; ``x_read`` = our time / amax time. Times: median of CUDA-graph replays, L2 flushed. ``check``: our
 output equals ``reference.py`` on the first rows. ``--quick`` shrinks the shapes.
+``TSI_BENCH_TOPK_TARGETS=1``: the issue's target shapes only, ours and ``amax`` only (to compare builds of
+the library, picked with ``TORCH_SPARSE_INDEXER_TOPK_LIB``, in one device call).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -26,6 +30,7 @@ from torch_sparse_indexer.kernels import cuda_topk as ct
 COLUMNS = ["op", "shape", "k", "impl", "time_us", "floor_us", "x_read", "x_torch", "check"]
 DEV = "cuda"
 CHECK_ROWS = 8
+TARGETS_ONLY = os.environ.get("TSI_BENCH_TOPK_TARGETS", "0") == "1"
 
 
 def _lengths(R, W, gen):
@@ -49,8 +54,8 @@ def _rows(op, shape, k, x, ours, torch_masked, torch_plain, check):
     t_read = common.time_us(lambda: torch.amax(x, dim=1))
     floor = common.floor_us(x.numel() * x.element_size())
     t_ours = common.time_us(ours)
-    t_tm = common.time_us(torch_masked) if torch_masked else float("nan")
-    t_tp = common.time_us(torch_plain) if torch_plain else float("nan")
+    t_tm = common.time_us(torch_masked) if torch_masked and not TARGETS_ONLY else float("nan")
+    t_tp = common.time_us(torch_plain) if torch_plain and not TARGETS_ONLY else float("nan")
     base = dict(op=op, shape=shape, k=k, floor_us=floor)
     return [
         common.record(**base, impl="cuda", time_us=t_ours, x_read=t_ours / t_read, x_torch=t_tm / t_ours,
@@ -115,9 +120,9 @@ def run(args) -> list[dict]:
     q = getattr(args, "quick", False)
     K128 = 16384 if q else 131072
     rows: list[dict] = []
-    for k in (512, 1024, 2048):
+    for k in ((2048,) if TARGETS_ONLY else (512, 1024, 2048)):
         rows += _topk_case(128, K128, k, torch.float32, gen)
-    if not q:
+    if not q and not TARGETS_ONLY:
         rows += _topk_case(1, K128, 2048, torch.float32, gen)
         rows += _topk_case(64, K128, 2048, torch.float32, gen)
         rows += _topk_case(64, 1 << 20, 2048, torch.float32, gen)
@@ -125,7 +130,8 @@ def run(args) -> list[dict]:
     rows += _topk_case(R, 16384, 2048, torch.float32, gen)
     rows += _sparse_case(R, 2048, 8, 2048, gen)
     rows += _topk_case(R, K128, 2048, torch.float32, gen)
-    rows += _topk_case(R, K128, 2048, torch.bfloat16, gen)
+    if not TARGETS_ONLY:
+        rows += _topk_case(R, K128, 2048, torch.bfloat16, gen)
     rows += _block_case(R, K128, 8, 2048, gen)
     for r in rows:
         if r["impl"] == "cuda":

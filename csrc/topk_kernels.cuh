@@ -35,6 +35,12 @@
 #ifndef TSI_LIST_CAP
 #define TSI_LIST_CAP 4096
 #endif
+#ifndef TSI_U1  // tiles per batch, one CTA per SM
+#define TSI_U1 4
+#endif
+#ifndef TSI_U2  // tiles per batch, two CTAs per SM
+#define TSI_U2 2
+#endif
 
 namespace tsi {
 
@@ -44,11 +50,13 @@ constexpr int NBINS = 2048;
 constexpr int CAND_CAP = TSI_CAND_CAP;  // threshold-bin elements buffered in STREAM mode
 constexpr int LIST_CAP = TSI_LIST_CAP;  // max output width (k, or num_blocks for block_topk)
 constexpr int REGION_WORDS = 2 * CAND_CAP + 2 * LIST_CAP;
-constexpr int SMEM_KEYS = REGION_WORDS;  // SMEM mode: one key per element
+constexpr int SMEM_KEYS = REGION_WORDS - CAND_CAP;  // SMEM mode: one key per element, then CAND_CAP keys
+constexpr int MAX_U = TSI_U1 > TSI_U2 ? TSI_U1 : TSI_U2;  // tiles per ordered scan (see stream())
 constexpr unsigned FULL = 0xffffffffu;
 
 static_assert(THREADS % 32 == 0 && NBINS % THREADS == 0 && (NBINS / 2) % THREADS == 0, "thread count");
 static_assert(NWARPS <= 32, "at most 32 warps");
+static_assert(SMEM_KEYS % 16 == 0 && CAND_CAP % 16 == 0, "16-byte aligned shared-memory arrays");
 
 enum Kind { DENSE = 0, SPARSE = 1, BLOCK = 2 };
 
@@ -68,9 +76,9 @@ struct Params {
 
 struct Smem {
   uint32_t hist[NBINS];
-  uint32_t scan[2][NWARPS];
+  uint32_t scan[2][MAX_U * NWARPS];
   uint32_t ctl[8];
-  uint32_t region[REGION_WORDS];
+  alignas(16) uint32_t region[REGION_WORDS];
 };
 
 // ------------------------------------------------------------------------------------------------
@@ -78,10 +86,11 @@ struct Smem {
 // ------------------------------------------------------------------------------------------------
 
 // Order-preserving key of fp32 bits: -0 == +0, NaN (any payload) = 1 < key(-inf) = 0x007fffff.
+// Branch-free: this runs once per score in every streaming pass.
 __device__ __forceinline__ uint32_t f32_key(uint32_t b) {
-  if ((b & 0x7fffffffu) > 0x7f800000u) return 1u;
-  if (b == 0x80000000u) b = 0u;
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  b = (b == 0x80000000u) ? 0u : b;
+  const uint32_t k = b ^ ((uint32_t)((int32_t)b >> 31) | 0x80000000u);
+  return ((b & 0x7fffffffu) > 0x7f800000u) ? 1u : k;
 }
 
 template <typename T> struct DT;
@@ -174,12 +183,11 @@ struct DenseSrc {
   __device__ __forceinline__ int items() const { return ch.nchunks; }
   __device__ __forceinline__ Raw load(int c) const { return ch.load(c); }
   __device__ __forceinline__ void elems(const Raw& raw, int c, uint32_t (&key)[E]) const {
-    int col0 = c * E - ch.h;
+    const int col0 = c * E - ch.h;  // items past nchunks have col0 >= m
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      int col = col0 + j;
-      bool ok = c < ch.nchunks && col >= 0 && col < m;
-      key[j] = ok ? f32_key(DT<T>::bits(raw.w, j)) : 0u;
+      const uint32_t k = f32_key(DT<T>::bits(raw.w, j));
+      key[j] = (uint32_t)(col0 + j) < (uint32_t)m ? k : 0u;
     }
   }
   __device__ __forceinline__ int index(int c, int j) const { return c * E - ch.h + j; }
@@ -259,9 +267,8 @@ struct BlockVecSrc {
     int col0 = c * V;  // h == 0 for this source
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      bool ok = c < ch.nchunks && col0 + j < ch.ncols;
-      uint32_t k = ok ? f32_key(DT<T>::bits(raw.w, j)) : 0u;
-      mx = k > mx ? k : mx;
+      const uint32_t k = f32_key(DT<T>::bits(raw.w, j));
+      mx = (col0 + j < ch.ncols && k > mx) ? k : mx;  // items past nchunks have col0 >= ncols
     }
     for (int o = 1; o < G; o <<= 1) {
       uint32_t y = __shfl_xor_sync(FULL, mx, o);
@@ -328,43 +335,76 @@ __device__ __forceinline__ uint32_t block_excl_scan(uint32_t v, uint32_t* tmp, u
   }
   if (lane == 31) tmp[warp] = x;
   __syncthreads();
-  uint32_t before = 0, tot = 0;
+  const uint32_t t = lane < NWARPS ? tmp[lane] : 0u;
+  uint32_t sw = t;
 #pragma unroll
-  for (int w = 0; w < NWARPS; ++w) {
-    uint32_t t = tmp[w];
-    before += (w < warp) ? t : 0u;
-    tot += t;
+  for (int o = 1; o < 32; o <<= 1) {
+    uint32_t y = __shfl_up_sync(FULL, sw, o);
+    if (lane >= o) sw += y;
   }
-  *total = tot;
-  return before + x - v;
+  *total = __shfl_sync(FULL, sw, 31);
+  return __shfl_sync(FULL, sw - t, warp) + x - v;
+}
+
+// Exclusive prefix of U counts per thread in (u, thread) order -- item u*THREADS + tid -- with a single
+// barrier. tmp: U * NWARPS words, same reuse rule as block_excl_scan.
+template <int U>
+__device__ __forceinline__ void block_excl_scan_multi(const uint32_t (&v)[U], uint32_t (&ex)[U], uint32_t* total,
+                                                      uint32_t* tmp) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t x[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) x[u] = v[u];
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      uint32_t y = __shfl_up_sync(FULL, x[u], o);
+      if (lane >= o) x[u] += y;
+    }
+  }
+  if (lane == 31) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) tmp[u * NWARPS + warp] = x[u];
+  }
+  __syncthreads();
+  uint32_t run = 0;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const uint32_t t = lane < NWARPS ? tmp[u * NWARPS + lane] : 0u;
+    uint32_t sw = t;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      uint32_t y = __shfl_up_sync(FULL, sw, o);
+      if (lane >= o) sw += y;
+    }
+    ex[u] = run + __shfl_sync(FULL, sw - t, warp) + x[u] - v[u];
+    run += __shfl_sync(FULL, sw, 31);
+  }
+  *total = run;
 }
 
 __device__ __forceinline__ void clear_hist(Smem& sm) {
   for (int i = threadIdx.x; i < NBINS; i += THREADS) sm.hist[i] = 0u;
 }
 
-// Adds E bins (valid where ok) to the histogram. Warp-collective: a warp whose elements all share one
-// bin (all-equal rows, one-bin rows) issues a single atomic instead of 32*E conflicting ones.
+// Adds E bins (valid where ok) to the histogram. A thread whose E elements share one bin adds once,
+// and a warp whose threads all do adds once per warp (all-equal and one-bin rows would otherwise
+// serialize 32*E atomics on one address); otherwise one atomic per element.
 template <int E>
 __device__ __forceinline__ void hist_add(Smem& sm, const uint32_t (&bin)[E], const bool (&ok)[E]) {
-  uint32_t b0 = 0u, c = 0u;
-  bool uni = true;
+  bool same = ok[0];
 #pragma unroll
-  for (int j = 0; j < E; ++j) {
-    if (ok[j]) {
-      if (c == 0u) b0 = bin[j];
-      uni = uni && bin[j] == b0;
-      ++c;
+  for (int j = 1; j < E; ++j) same = same && ok[j] && bin[j] == bin[0];
+  if (__all_sync(FULL, same)) {
+    const uint32_t b0 = __shfl_sync(FULL, bin[0], 0);
+    if (__all_sync(FULL, bin[0] == b0)) {
+      if ((threadIdx.x & 31) == 0) atomicAdd(&sm.hist[b0], 32u * E);
+      return;
     }
   }
-  if (__all_sync(FULL, uni)) {
-    uint32_t ref = __reduce_min_sync(FULL, c ? b0 : 0xffffffffu);
-    if (__all_sync(FULL, c == 0u || b0 == ref)) {
-      uint32_t tot = __reduce_add_sync(FULL, c);
-      if ((threadIdx.x & 31) == 0 && tot) atomicAdd(&sm.hist[ref], tot);
-    } else if (c) {
-      atomicAdd(&sm.hist[b0], c);
-    }
+  if (same) {
+    atomicAdd(&sm.hist[bin[0]], (uint32_t)E);
     return;
   }
 #pragma unroll
@@ -461,8 +501,8 @@ __device__ Thresh resolve(Smem& sm, int L, uint32_t P, uint32_t need, NextHist&&
 __device__ __forceinline__ bool is_gt(uint32_t key, const Thresh& t) { return key > t.tkey; }
 __device__ __forceinline__ bool is_eq(uint32_t key, const Thresh& t) { return t.need_eq > 0u && key == t.tkey; }
 
-// Ordered selection of one tile: each thread holds E elements in index order, threads in index order.
-// Calls emit(rank, j) for each selected element. run_gt/run_eq: counts in earlier tiles (updated).
+// Ordered selection of one tile of shared-memory keys: each thread holds E consecutive keys, threads in
+// index order. Calls emit(rank, j) for each selected key. run_gt/run_eq: counts in earlier tiles.
 // Per-tile counts are at most THREADS*E < 2^16, so both counts share one 32-bit scan.
 template <int E, class Emit>
 __device__ __forceinline__ void select_tile(Smem& sm, int& par, const uint32_t (&key)[E], const Thresh& t,
@@ -477,23 +517,67 @@ __device__ __forceinline__ void select_tile(Smem& sm, int& par, const uint32_t (
   uint32_t tot;
   const uint32_t ex = block_excl_scan((ngt << 16) | neq, sm.scan[par], &tot);
   par ^= 1;
-  uint32_t gt = run_gt + (ex >> 16), eq = run_eq + (ex & 0xffffu);
+  if (ngt | neq) {
+    uint32_t gt = run_gt + (ex >> 16), eq = run_eq + (ex & 0xffffu);
 #pragma unroll
-  for (int j = 0; j < E; ++j) {
-    if (is_gt(key[j], t)) {
-      emit(gt + (eq < t.need_eq ? eq : t.need_eq), j);
-      ++gt;
-    } else if (is_eq(key[j], t)) {
-      if (eq < t.need_eq) emit(gt + eq, j);
-      ++eq;
+    for (int j = 0; j < E; ++j) {
+      if (is_gt(key[j], t)) {
+        emit(gt + (eq < t.need_eq ? eq : t.need_eq), j);
+        ++gt;
+      } else if (is_eq(key[j], t)) {
+        if (eq < t.need_eq) emit(gt + eq, j);
+        ++eq;
+      }
     }
   }
   run_gt += tot >> 16;
   run_eq += tot & 0xffffu;
 }
 
-// Streams items [0, n) in tiles of THREADS (item = base + u*THREADS + tid), U tiles in flight per
-// thread; REV walks the tiles from last to first. f(raw, item) is called uniformly by all threads.
+// Ordered selection over `count` keys in shared memory (16 consecutive keys per thread per tile);
+// emit(rank, index) for each selected key.
+template <class Emit>
+__device__ void smem_select(Smem& sm, int& par, const uint32_t* keys, int count, const Thresh& t, Emit&& emit) {
+  constexpr int PER = 16;
+  uint32_t rg = 0, re = 0;
+  for (int base = 0; base < count; base += THREADS * PER) {
+    const int i0 = base + (int)threadIdx.x * PER;
+    uint32_t key[PER];
+#pragma unroll
+    for (int q = 0; q < PER / 4; ++q) {
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (i0 + 4 * q < count) v = *reinterpret_cast<const uint4*>(keys + i0 + 4 * q);
+      key[4 * q] = v.x; key[4 * q + 1] = v.y; key[4 * q + 2] = v.z; key[4 * q + 3] = v.w;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) key[j] = i0 + j < count ? key[j] : 0u;
+    select_tile<PER>(sm, par, key, t, rg, re, [&](uint32_t rank, int j) { emit(rank, i0 + j); });
+  }
+}
+
+// Histogram of the digit at prefix length L over `count` keys in shared memory with prefix P.
+// Starts and ends with a barrier (the caller has read ctl and hist before).
+__device__ void smem_hist(Smem& sm, const uint32_t* keys, int count, int L, uint32_t P) {
+  __syncthreads();
+  clear_hist(sm);
+  __syncthreads();
+  const int nv = (count + 3) >> 2;
+  for (int v = threadIdx.x; v < nv; v += THREADS) {
+    const uint4 q = *reinterpret_cast<const uint4*>(keys + 4 * v);
+    const uint32_t key[4] = {q.x, 4 * v + 1 < count ? q.y : 0u, 4 * v + 2 < count ? q.z : 0u,
+                             4 * v + 3 < count ? q.w : 0u};
+    const int s = digit_shift(L);
+    const uint32_t msk = digit_mask(L);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (has_prefix(key[j], L, P)) atomicAdd(&sm.hist[(key[j] >> s) & msk], 1u);
+  }
+  __syncthreads();
+}
+
+// Streams items [0, n) in batches of U tiles (item = base + u*THREADS + tid); the next batch's loads
+// are in flight while f(cur, base) runs. REV walks the batches from last to first. f is called
+// uniformly by all threads.
 template <int U, bool REV, class Src, class F>
 __device__ __forceinline__ void stream(const Src& src, F&& f) {
   const int n = src.items();
@@ -506,18 +590,35 @@ __device__ __forceinline__ void stream(const Src& src, F&& f) {
   for (int u = 0; u < U; ++u) buf[u] = src.load(b * per + u * THREADS + (int)threadIdx.x);
   for (int it = 0; it < nb; ++it) {
     const int bn = REV ? b - 1 : b + 1;
-    const bool more = it + 1 < nb;
+    Raw cur[U];
 #pragma unroll
-    for (int uu = 0; uu < U; ++uu) {
-      const int u = REV ? U - 1 - uu : uu;
-      Raw cur = buf[u];
-      if (more) buf[u] = src.load(bn * per + u * THREADS + (int)threadIdx.x);
-      f(cur, b * per + u * THREADS + (int)threadIdx.x);
+    for (int u = 0; u < U; ++u) cur[u] = buf[u];
+    if (it + 1 < nb) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) buf[u] = src.load(bn * per + u * THREADS + (int)threadIdx.x);
     }
+    f(cur, b * per);
     b = bn;
   }
 }
 
+template <int U, class Src>
+__device__ __forceinline__ void batch_keys(const Src& src, const Raw (&cur)[U], int base,
+                                           uint32_t (&key)[U][Src::E]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) src.elems(cur[u], base + u * THREADS + (int)threadIdx.x, key[u]);
+}
+
+// Histogram pass over the row in global memory: digit at prefix length L among keys with prefix P.
+template <int U, class Src>
+__device__ void global_hist(Smem& sm, const Src& src, int L, uint32_t P) {
+  stream<U, false>(src, [&](const Raw (&cur)[U], int base) {
+    uint32_t key[U][Src::E];
+    batch_keys<U>(src, cur, base, key);
+#pragma unroll
+    for (int u = 0; u < U; ++u) hist_keys<Src::E>(sm, key[u], L, P);
+  });
+}
 
 __device__ __forceinline__ int lower_bound(const uint32_t* a, int n, uint32_t v) {
   int lo = 0, hi = n;
@@ -533,40 +634,74 @@ __device__ __forceinline__ int lower_bound(const uint32_t* a, int n, uint32_t v)
 // The kernel
 // ------------------------------------------------------------------------------------------------
 
-template <class Src>
-__device__ void pad_out(int* out, int from, int kk) {
+__device__ __forceinline__ void pad_out(int* out, int from, int kk) {
   for (int i = from + threadIdx.x; i < kk; i += THREADS) out[i] = -1;
 }
 
 // Final pass over the row in global memory, in index order: writes the selected positions.
 template <int U, class Src>
 __device__ void final_global(Smem& sm, int& par, const Src& src, const Thresh& t, int* out) {
+  static_assert(U * THREADS * Src::E < 65536, "packed batch counts");
   uint32_t rg = 0, re = 0;
-  stream<U, false>(src, [&](const Raw& raw, int c) {
-    uint32_t key[Src::E];
-    src.elems(raw, c, key);
-    select_tile<Src::E>(sm, par, key, t, rg, re, [&](uint32_t rank, int j) {
-      out[rank] = src.pos(src.index(c, j));
-    });
+  stream<U, false>(src, [&](const Raw (&cur)[U], int base) {
+    uint32_t key[U][Src::E];
+    batch_keys<U>(src, cur, base, key);
+    uint32_t cnt[U], ex[U], tot;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      uint32_t ngt = 0u, neq = 0u;
+#pragma unroll
+      for (int j = 0; j < Src::E; ++j) {
+        ngt += is_gt(key[u][j], t);
+        neq += is_eq(key[u][j], t);
+      }
+      cnt[u] = (ngt << 16) | neq;
+    }
+    block_excl_scan_multi<U>(cnt, ex, &tot, sm.scan[par]);
+    par ^= 1;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (cnt[u] == 0u) continue;
+      const int c = base + u * THREADS + (int)threadIdx.x;
+      uint32_t gt = rg + (ex[u] >> 16), eq = re + (ex[u] & 0xffffu);
+#pragma unroll
+      for (int j = 0; j < Src::E; ++j) {
+        if (is_gt(key[u][j], t)) {
+          out[gt + (eq < t.need_eq ? eq : t.need_eq)] = src.pos(src.index(c, j));
+          ++gt;
+        } else if (is_eq(key[u][j], t)) {
+          if (eq < t.need_eq) out[gt + eq] = src.pos(src.index(c, j));
+          ++eq;
+        }
+      }
+    }
+    rg += tot >> 16;
+    re += tot & 0xffffu;
   });
 }
 
 template <int U, class Src>
 __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
   uint32_t* K = sm.region;
+  uint32_t* candK = sm.region + SMEM_KEYS;
   const int m = src.m;
   int par = 0;
   clear_hist(sm);
+  if (threadIdx.x == 0) sm.ctl[4] = 0u;
   __syncthreads();
-  stream<U, false>(src, [&](const Raw& raw, int c) {
-    uint32_t key[Src::E];
-    src.elems(raw, c, key);
+  stream<U, false>(src, [&](const Raw (&cur)[U], int base) {
+    uint32_t key[U][Src::E];
+    batch_keys<U>(src, cur, base, key);
 #pragma unroll
-    for (int j = 0; j < Src::E; ++j) {
-      const int i = src.index(c, j);
-      if ((key[j] != 0u || Src::KIND == SPARSE) && i >= 0 && i < m) K[i] = key[j];
+    for (int u = 0; u < U; ++u) {
+      const int c = base + u * THREADS + (int)threadIdx.x;
+#pragma unroll
+      for (int j = 0; j < Src::E; ++j) {
+        const int i = src.index(c, j);
+        if ((key[u][j] != 0u || Src::KIND == SPARSE) && (uint32_t)i < (uint32_t)m) K[i] = key[u][j];
+      }
+      hist_keys<Src::E>(sm, key[u], 0, 0u);
     }
-    hist_keys<Src::E>(sm, key, 0, 0u);
   });
   __syncthreads();
   find_bin<NBINS>(sm, (uint32_t)kk);
@@ -579,46 +714,60 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
     r = (int)total;
   } else {
     r = kk;
-    t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) {
-      __syncthreads();  // everyone has read ctl and hist
-      clear_hist(sm);
-      __syncthreads();
+    const uint32_t B1 = sm.ctl[0], above1 = sm.ctl[1], c1 = sm.ctl[2];
+    const uint32_t need1 = (uint32_t)kk - above1;
+    if (c1 == need1) {
+      t.tkey = (B1 << 21) > 1u ? (B1 << 21) - 1u : 0u;
+      t.need_eq = 0u;
+    } else if (c1 <= (uint32_t)CAND_CAP) {
+      // Gather the threshold bin's keys (any order: only their histograms are needed), then refine there.
       const int nv = (m + 3) >> 2;
+      const int lane = threadIdx.x & 31;
       for (int base = 0; base < nv; base += THREADS) {
         const int v = base + (int)threadIdx.x;
-        uint32_t key[4];
+        uint32_t key[4] = {0u, 0u, 0u, 0u};
+        if (v < nv) {
+          const uint4 q = *reinterpret_cast<const uint4*>(K + 4 * v);
+          key[0] = q.x; key[1] = q.y; key[2] = q.z; key[3] = q.w;
+        }
+        uint32_t n = 0u;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) key[j] = (v < nv && 4 * v + j < m) ? K[4 * v + j] : 0u;
-        hist_keys<4>(sm, key, L, P);
+        for (int j = 0; j < 4; ++j) {
+          key[j] = (4 * v + j < m && key[j] != 0u && (key[j] >> 21) == B1) ? key[j] : 0u;
+          n += key[j] != 0u;
+        }
+        uint32_t incl = n;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          uint32_t y = __shfl_up_sync(FULL, incl, o);
+          if (lane >= o) incl += y;
+        }
+        uint32_t wbase = 0u;
+        if (lane == 31 && incl) wbase = atomicAdd(&sm.ctl[4], incl);
+        wbase = __shfl_sync(FULL, wbase, 31);
+        uint32_t o = wbase + incl - n;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (key[j] != 0u) candK[o++] = key[j];
       }
-      __syncthreads();
-    });
+      smem_hist(sm, candK, (int)c1, 11, B1);
+      t = resolve(sm, 11, B1, need1, [&](int L, uint32_t P) { smem_hist(sm, candK, (int)c1, L, P); });
+    } else {
+      t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, K, m, L, P); });
+    }
   }
-  // Ordered compaction over the keys in shared memory.
-  uint32_t rg = 0, re = 0;
-  const int nv = (m + 3) >> 2;
-  for (int base = 0; base < nv; base += THREADS) {
-    const int v = base + (int)threadIdx.x;
-    uint32_t key[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) key[j] = (v < nv && 4 * v + j < m) ? K[4 * v + j] : 0u;
-    select_tile<4>(sm, par, key, t, rg, re, [&](uint32_t rank, int j) {
-      out[rank] = src.pos(4 * v + j);
-    });
-  }
-  pad_out<Src>(out, r, kk);
+  __syncthreads();
+  smem_select(sm, par, K, m, t, [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
+  pad_out(out, r, kk);
 }
 
 template <int U, class Src>
 __device__ void stream_mode(Smem& sm, const Src& src, int* out, int kk) {
+  static_assert(U * THREADS * Src::E < 65536, "packed batch counts");
   int par = 0;
   clear_hist(sm);
   __syncthreads();
-  stream<U, false>(src, [&](const Raw& raw, int c) {
-    uint32_t key[Src::E];
-    src.elems(raw, c, key);
-    hist_keys<Src::E>(sm, key, 0, 0u);
-  });
+  global_hist<U>(sm, src, 0, 0u);
   __syncthreads();
   find_bin<NBINS>(sm, (uint32_t)kk);
   const uint32_t total = sm.ctl[3];
@@ -627,7 +776,7 @@ __device__ void stream_mode(Smem& sm, const Src& src, int* out, int kk) {
     t.tkey = 0u;
     t.need_eq = 0u;
     final_global<U>(sm, par, src, t, out);
-    pad_out<Src>(out, (int)total, kk);
+    pad_out(out, (int)total, kk);
     return;
   }
   const uint32_t B1 = sm.ctl[0], above1 = sm.ctl[1], c1 = sm.ctl[2];
@@ -645,11 +794,7 @@ __device__ void stream_mode(Smem& sm, const Src& src, int* out, int kk) {
         __syncthreads();
         clear_hist(sm);
         __syncthreads();
-        stream<U, false>(src, [&](const Raw& raw, int c) {
-          uint32_t key[Src::E];
-          src.elems(raw, c, key);
-          hist_keys<Src::E>(sm, key, L, P);
-        });
+        global_hist<U>(sm, src, L, P);
         __syncthreads();
       };
       next_hist(11, B1);
@@ -665,33 +810,42 @@ __device__ void stream_mode(Smem& sm, const Src& src, int* out, int kk) {
   uint32_t* above = sm.region + 2 * CAND_CAP;
   uint32_t* sel = above + LIST_CAP;
   {
-    uint32_t sa = 0, sc = 0;  // counts in tiles after the current one (reverse walk)
-    stream<U, true>(src, [&](const Raw& raw, int c) {
-      uint32_t key[Src::E];
-      src.elems(raw, c, key);
-      uint32_t na = 0u, nc = 0u;
+    uint32_t sa = 0, sc = 0;  // counts in batches after the current one (reverse walk)
+    stream<U, true>(src, [&](const Raw (&cur)[U], int base) {
+      uint32_t key[U][Src::E];
+      batch_keys<U>(src, cur, base, key);
+      uint32_t cnt[U], ex[U], tot;
 #pragma unroll
-      for (int j = 0; j < Src::E; ++j) {
-        const uint32_t d = key[j] >> 21;
-        na += key[j] != 0u && d > B1;
-        nc += key[j] != 0u && d == B1;
+      for (int u = 0; u < U; ++u) {
+        uint32_t na = 0u, nc = 0u;
+#pragma unroll
+        for (int j = 0; j < Src::E; ++j) {
+          const uint32_t d = key[u][j] >> 21;
+          na += key[u][j] != 0u && d > B1;
+          nc += key[u][j] != 0u && d == B1;
+        }
+        cnt[u] = (na << 16) | nc;
       }
-      uint32_t tot;
-      const uint32_t ex = block_excl_scan((na << 16) | nc, sm.scan[par], &tot);
+      block_excl_scan_multi<U>(cnt, ex, &tot, sm.scan[par]);
       par ^= 1;
       const uint32_t ta = tot >> 16, tc = tot & 0xffffu;
-      uint32_t oa = above1 - sa - ta + (ex >> 16);
-      uint32_t oc = c1 - sc - tc + (ex & 0xffffu);
 #pragma unroll
-      for (int j = 0; j < Src::E; ++j) {
-        if (key[j] == 0u) continue;
-        const uint32_t d = key[j] >> 21;
-        if (d > B1) {
-          above[oa++] = (uint32_t)src.index(c, j);
-        } else if (d == B1) {
-          candK[oc] = key[j];
-          candI[oc] = (uint32_t)src.index(c, j);
-          ++oc;
+      for (int u = 0; u < U; ++u) {
+        if (cnt[u] == 0u) continue;
+        const int c = base + u * THREADS + (int)threadIdx.x;
+        uint32_t oa = above1 - sa - ta + (ex[u] >> 16);
+        uint32_t oc = c1 - sc - tc + (ex[u] & 0xffffu);
+#pragma unroll
+        for (int j = 0; j < Src::E; ++j) {
+          if (key[u][j] == 0u) continue;
+          const uint32_t d = key[u][j] >> 21;
+          if (d > B1) {
+            above[oa++] = (uint32_t)src.index(c, j);
+          } else if (d == B1) {
+            candK[oc] = key[u][j];
+            candI[oc] = (uint32_t)src.index(c, j);
+            ++oc;
+          }
         }
       }
       sa += ta;
@@ -700,38 +854,13 @@ __device__ void stream_mode(Smem& sm, const Src& src, int* out, int kk) {
   }
   __syncthreads();
   // Refine inside the buffer.
-  auto cand_hist = [&](int L, uint32_t P) {
-    __syncthreads();
-    clear_hist(sm);
-    __syncthreads();
-    const int nv = ((int)c1 + 3) >> 2;
-    for (int base = 0; base < nv; base += THREADS) {
-      const int v = base + (int)threadIdx.x;
-      uint32_t key[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) key[j] = (v < nv && 4 * v + j < (int)c1) ? candK[4 * v + j] : 0u;
-      hist_keys<4>(sm, key, L, P);
-    }
-    __syncthreads();
-  };
   Thresh t = whole_bin;
   if (c1 != need1) {
-    cand_hist(11, B1);
-    t = resolve(sm, 11, B1, need1, cand_hist);
+    smem_hist(sm, candK, (int)c1, 11, B1);
+    t = resolve(sm, 11, B1, need1, [&](int L, uint32_t P) { smem_hist(sm, candK, (int)c1, L, P); });
   }
-  {
-    uint32_t rg = 0, re = 0;
-    const int nv = ((int)c1 + 3) >> 2;
-    for (int base = 0; base < nv; base += THREADS) {
-      const int v = base + (int)threadIdx.x;
-      uint32_t key[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) key[j] = (v < nv && 4 * v + j < (int)c1) ? candK[4 * v + j] : 0u;
-      select_tile<4>(sm, par, key, t, rg, re, [&](uint32_t rank, int j) {
-        sel[rank] = candI[4 * v + j];
-      });
-    }
-  }
+  __syncthreads();
+  smem_select(sm, par, candK, (int)c1, t, [&](uint32_t rank, int i) { sel[rank] = candI[i]; });
   __syncthreads();
   // Merge the two index-sorted lists (indices are distinct) into the output.
   const int na = (int)above1, ns = (int)need1;
@@ -740,17 +869,19 @@ __device__ void stream_mode(Smem& sm, const Src& src, int* out, int kk) {
     out[i + lower_bound(sel, ns, a)] = src.pos((int)a);
   }
   for (int i = threadIdx.x; i < ns; i += THREADS) {
-    const uint32_t s = sel[i];
-    out[i + lower_bound(above, na, s)] = src.pos((int)s);
+    const uint32_t v = sel[i];
+    out[i + lower_bound(above, na, v)] = src.pos((int)v);
   }
 }
 
-// MINB = 1: 128 registers, 4 tiles of loads in flight per thread (few rows: one CTA per SM must
+// MINB = 1: 128 registers, 4 fp32 tiles of loads in flight per thread (few rows: one CTA per SM must
 // keep enough bytes in flight). MINB = 2: two CTAs per SM (64 registers, 2 tiles in flight), so one
 // CTA's shared-memory phases overlap the other's streaming.
 template <class Src, int MINB>
 __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
-  constexpr int U = MINB == 1 ? 4 : 2;
+  // bf16 items carry 8 keys: half as many tiles per batch keeps them in registers.
+  constexpr int U = (MINB == 1 ? TSI_U1 : TSI_U2) / (Src::E == 8 ? 2 : 1);
+  static_assert(U <= MAX_U, "scan scratch");
   TSI_DYN_SMEM(smem_raw);
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   const int row = blockIdx.x;

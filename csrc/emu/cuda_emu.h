@@ -32,6 +32,7 @@ inline const char* cudaGetErrorString(cudaError_t e) {
 struct uint4 {
   unsigned x, y, z, w;
 };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 struct emu_dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
