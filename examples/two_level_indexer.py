@@ -22,7 +22,12 @@ and prints the recalls, step times and peak memory. Exit status 1 if anything di
 
     python examples/two_level_indexer.py                           # small, CPU: well under a minute
     python examples/two_level_indexer.py --device cuda --heads 64 --dim 128 --context 131072 \\
-        --requests 8 --topk 2048 --candidate-blocks 256 --cbs 64 --block-size 64 --chunk 8192
+        --requests 8 --topk 2048 --candidate-blocks 256 --cbs 64 --block-size 64 --chunk 8192 --check decode
+
+On a CPU the default compile backend is ``aot_eager`` (Dynamo + AOTAutograd, fullgraph): Inductor's C++
+compile of the stack's kernels alone takes minutes on a 2-core machine (``--compile-backend inductor``;
+tests/test_layers.py compiles the step with Inductor and checks its post-grad graph). Every op still runs
+on the reference backend there, so the CPU comparison checks compilation, not kernels.
 """
 from __future__ import annotations
 

@@ -409,3 +409,29 @@ def _split_args(text):
         depth += (ch == "(") - (ch == ")")
         cur += ch
     return parts + [cur.strip()]
+
+
+def test_metadata_passed_into_compiled_layer(one_compile_thread):
+    """IndexerMetadata built outside and passed in as an argument (a pytree of tensors with static
+    capacities): one graph, no break, no recompile for a new step's metadata, results equal eager."""
+    cfg = StackConfig()
+    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
+    eager, comp = Stack(cfg), Stack(cfg)
+    builder = IndexerMetadataBuilder(cfg.caps)
+
+    def layer_step(m, q, w, k):
+        comp.dense(q, None, w, k, m)
+
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("inductor")
+    fn = torch.compile(layer_step, backend=cnt, fullgraph=True, dynamic=False)
+    for i in range(2):
+        step = random_step(rng, gen, cfg, cfg.caps)
+        qs, ks = prepare(step, eager)
+        prepare(step, comp)
+        m = builder.build(*step.tensors())
+        eager.dense(qs[0][0], None, qs[0][2], ks[0], m)
+        fn(m, qs[0][0], qs[0][2], ks[0])
+        assert torch.equal(eager.out[0], comp.out[0]) and torch.equal(eager.cand, comp.cand), f"step {i}"
+        assert torch.equal(eager.caches[0].kv_cache, comp.caches[0].kv_cache), f"step {i}"
+    assert cnt.frame_count == 1
