@@ -4,7 +4,9 @@
 :class:`IndexerCapacities`. ``build(...)`` fills them from the engine's step inputs with device ops into
 preallocated scratch (``out=`` / in-place): no host read of a device value, no allocation, no
 ``.item()``. It returns an :class:`IndexerMetadata` whose tensors are those buffers, so a CUDA graph (or a
-``torch.compile`` graph) recorded once replays for every batch that fits the capacities.
+``torch.compile`` graph) recorded once replays for every batch that fits the capacities. (On CUDA a scan or
+reduction kernel may take transient scratch from PyTorch's caching allocator -- the graph's own pool
+inside a capture; nothing the builder owns or returns is allocated after construction.)
 
 Rows of a step (vLLM's order): token rows ``[0, num_decode_tokens)`` are decode rows (the first
 ``num_decode_reqs`` requests, MTP = several rows per request), then the prefill rows. For token ``j`` of
