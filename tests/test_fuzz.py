@@ -28,7 +28,8 @@ What is asserted (SPEC sections 2, 4, 7):
 * cache writes, gathers and query quantization are byte-exact.
 
 Profiles: ``TSI_FUZZ_PROFILE=ci`` (default; small, for 2 CPU cores) or ``gpu`` (more examples, bigger
-shapes). ``TSI_FUZZ_EXAMPLES=N`` overrides the per-test example count. The number of cases that ran (and,
+shapes). ``TSI_FUZZ_EXAMPLES=N`` overrides the per-test example count; ``TSI_FUZZ_BUDGET_S=s`` caps each
+test's wall time (cases past it are skipped, not counted). The number of cases that ran (and,
 on the GPU, how many ran a kernel backend) is printed at the end of the session and, with
 ``TSI_FUZZ_REPORT=path``, written as JSON.
 
@@ -107,6 +108,19 @@ def _settings(n):
     return settings(max_examples=n, deadline=None, print_blob=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
+
+
+# Wall-clock budget per test (TSI_FUZZ_BUDGET_S): past it, new examples are rejected at once, so a slow machine
+# (kernel compilation) ends the test early with every case that ran checked and counted.
+BUDGET_S = float(os.environ.get("TSI_FUZZ_BUDGET_S", "0"))
+_START: dict = {}
+
+
+def _in_budget(name):
+    if BUDGET_S <= 0:
+        return True
+    t0 = _START.setdefault(name, time.time())
+    return time.time() - t0 < BUDGET_S
 
 
 FUZZ = _settings(EXAMPLES)
@@ -524,6 +538,8 @@ def test_fuzz_decode(device, sparse):
     @FUZZ
     @given(c=paged_cases(sparse), data=st.data())
     def run(c, data):
+        if not _in_budget((name, device)):
+            return
         _decode_case(name, device, c, sparse, data)
         _count(name, device)
     run()
@@ -759,6 +775,8 @@ def test_fuzz_prefill(device, sparse):
     @FUZZ
     @given(c=prefill_cases(), data=st.data())
     def run(c, data):
+        if not _in_budget((name, device)):
+            return
         _prefill_case(name, device, c, sparse, data)
         _count(name, device)
     run()
@@ -910,6 +928,8 @@ def test_fuzz_selection(device):
     @FUZZ_LIGHT
     @given(case=selection_cases(), data=st.data())
     def run(case, data):
+        if not _in_budget((name, device)):
+            return
         logits, lengths, k, padded, seed, kinds = case
         gen = torch.Generator().manual_seed(seed + 1)
         R, L = logits.shape
@@ -982,6 +1002,8 @@ def test_fuzz_cache_ops(device):
     @FUZZ_LIGHT
     @given(case=cache_op_cases(), data=st.data())
     def run(case, data):
+        if not _in_budget((name, device)):
+            return
         fmt, D, bs, mode, kdtype, exp, seed = case
         gen = torch.Generator().manual_seed(seed)
         NB = data.draw(st.integers(1, 4), label="pages")
