@@ -53,20 +53,6 @@ CONFIGS = [("fp8", 128, 8), ("fp8", 128, 16), ("fp8", 128, 32), ("fp8", 128, 64)
 CFG_IDS = [f"{f}-D{d}-H{h}" for f, d, h in CONFIGS]
 
 
-@pytest.fixture
-def seed(request):
-    import os
-    env = os.environ.get("TORCH_SPARSE_INDEXER_SEED")
-    s = int(env) if env else random.SystemRandom().randrange(1 << 31)
-    print(f"\n{request.node.nodeid}: seed {s} (replay with TORCH_SPARSE_INDEXER_SEED={s})")
-    return s
-
-
-@pytest.fixture
-def gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
 def _poisoned(rows, cols, dtype=torch.float32):
     return torch.full((rows, cols), float("nan"), dtype=dtype, device=DEV)
 
