@@ -874,6 +874,45 @@ __device__ void stream_mode(Smem& sm, const Src& src, int* out, int kk) {
   }
 }
 
+// sparse_topk promises positions in ascending order. Columns are selected and written in column order,
+// which is position order exactly when the row's valid block ids ascend (the contract); for a row whose
+// candidate list does not (out of contract), the written prefix is sorted here (bitonic, in shared
+// memory; k <= LIST_CAP <= REGION_WORDS), so the output is ascending for every input.
+__device__ void sort_positions_if_unordered(Smem& sm, int* out, int kk) {
+  if (threadIdx.x == 0) sm.ctl[7] = 0u;
+  __syncthreads();  // also orders this block's global writes of out[] before the reads below
+  uint32_t bad = 0u;
+  for (int i = threadIdx.x; i + 1 < kk; i += THREADS) {
+    const int a = out[i], b = out[i + 1];
+    bad |= (uint32_t)(a >= 0 && b >= 0 && a >= b);
+  }
+  if (bad) atomicAdd(&sm.ctl[7], 1u);
+  __syncthreads();
+  if (sm.ctl[7] == 0u) return;
+  int P = 1;
+  while (P < kk) P <<= 1;
+  uint32_t* v = sm.region;
+  for (int i = threadIdx.x; i < P; i += THREADS) {
+    const int x = i < kk ? out[i] : -1;
+    v[i] = x < 0 ? 0xffffffffu : (uint32_t)x;  // -1 padding sorts last
+  }
+  __syncthreads();
+  for (int size = 2; size <= P; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < P; i += THREADS) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const bool up = (i & size) == 0;
+          const uint32_t a = v[i], b = v[j];
+          if ((a > b) == up) { v[i] = b; v[j] = a; }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = v[i] == 0xffffffffu ? -1 : (int)v[i];
+}
+
 // MINB = 1: 128 registers, 4 fp32 tiles of loads in flight per thread (few rows: one CTA per SM must
 // keep enough bytes in flight). MINB = 2: two CTAs per SM (64 registers, 2 tiles in flight), so one
 // CTA's shared-memory phases overlap the other's streaming.
@@ -894,6 +933,7 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
   }
   if (src.m <= SMEM_KEYS) smem_mode<U>(sm, src, out, kk);
   else stream_mode<U>(sm, src, out, kk);
+  if (Src::KIND == SPARSE) sort_positions_if_unordered(sm, out, kk);
 }
 
 }  // namespace tsi

@@ -240,6 +240,34 @@ def test_sparse_topk_ties(pattern, gen):
     _assert_same(a, b, f"sparse ties {pattern}")
 
 
+@pytest.mark.parametrize("nb_width", [W_SMALL, W_STREAM])
+@pytest.mark.parametrize("disorder", ["shuffled", "duplicated"])
+def test_sparse_topk_unordered_lists(nb_width, disorder, gen):
+    """Out-of-contract candidate lists (valid ids not ascending, or repeated): the output is still
+    ascending positions then -1, and on distinct scores it equals the reference exactly (only the
+    tie-break among equal scores may follow column order, as cuda_topk documents)."""
+    cbs = 16
+    nb = max(4, nb_width // cbs)
+    x, blocks, lens = _sparse_case(6, nb, cbs, gen, holes=True)
+    for r in range(blocks.shape[0]):
+        perm = torch.randperm(nb, generator=gen)
+        blocks[r] = blocks[r][perm]
+        if disorder == "duplicated":
+            blocks[r, nb // 2:] = blocks[r, : nb - nb // 2]
+    x = x + torch.arange(x.numel(), dtype=torch.float32).view_as(x) * 1e-3  # distinct scores
+    for k in sorted({1, 37, min(2048, MAXK)}):
+        a, b = _run_sparse(x.to(DEV), blocks.to(DEV), cbs, lens.to(DEV), k)
+        a = a.cpu()
+        valid = a >= 0
+        assert torch.equal(valid, valid.cummin(dim=1).values), "valid entries must form a prefix"
+        nxt = torch.where(valid[:, 1:], a[:, 1:], torch.iinfo(torch.int32).max)
+        assert (a[:, :-1][valid[:, :-1]] <= nxt[valid[:, :-1]]).all(), "positions must ascend"
+        if disorder == "shuffled":
+            _assert_same(a, b.cpu(), f"unordered lists k={k}")
+        else:  # a repeated block's positions may be picked twice: same multiset of scores as the reference
+            assert (valid.sum(1) == (b.cpu() >= 0).sum(1)).all()
+
+
 # ----------------------------------------------------------------------------------------------------
 # block_topk
 # ----------------------------------------------------------------------------------------------------

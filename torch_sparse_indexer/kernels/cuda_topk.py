@@ -12,8 +12,9 @@ calls the library cannot take (device, capability, dtype, layout).
 
 Out-of-contract device values follow :mod:`torch_sparse_indexer.reference` (lengths clamped, -1 blocks
 skipped). One documented difference: for ``sparse_topk``, ties are broken by column order, which is
-position order exactly when the valid block ids of a row are ascending and unique (the contract);
-unsorted or repeated ids give a correct multiset of scores but may order or tie-break differently.
+position order exactly when the valid block ids of a row are ascending and unique (the contract); for
+unsorted or repeated ids the kernel still outputs ascending positions and the exact multiset of scores,
+but among equal scores it may keep a different position than the reference.
 """
 from __future__ import annotations
 
