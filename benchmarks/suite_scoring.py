@@ -105,6 +105,24 @@ def _ref_rows_diff(mine, ref_fn, rows):
 
 FAST = os.environ.get("TSI_BENCH_FAST", "0") == "1"  # target shapes only, no config sweeps / torch rows
 
+# Row-kernel launch configurations compared at the target shapes: (BLOCK_N, warps, stages, tiles per program).
+# The last entry says whether each tile loads its own candidate / page ids (no shared-memory gathers).
+ROW_SWEEP = [(64, 4, 3, 16, False), (64, 4, 3, 16, True), (64, 4, 4, 16, True), (64, 4, 5, 16, True),
+             (64, 4, 4, 32, True), (128, 4, 3, 16, True), (128, 8, 4, 16, True), (64, 4, 3, 32, False)]
+
+
+def _sweep_rows(rows, fn, *, op, fmt, shape, floor, nbytes=None, flops=None, **extra):
+    for cfg in ROW_SWEEP:
+        ts.CONFIG_OVERRIDES["rows"] = cfg
+        try:
+            t2 = _t(fn)
+            _row(rows, op=op, impl=f"triton{cfg}", fmt=fmt, shape=shape, time_us=t2, floor_us=floor,
+                 tbps=(nbytes / t2 / 1e6) if nbytes else "", tflops=(flops / t2 / 1e6) if flops else "", **extra)
+        except Exception as e:  # noqa: BLE001
+            print(f"  config {cfg} failed: {e!r}")
+        finally:
+            ts.CONFIG_OVERRIDES.pop("rows", None)
+
 
 def bench_decode(rows, quick):
     B = 16 if quick else 128
@@ -133,16 +151,8 @@ def bench_decode(rows, quick):
                  target=f"<= {tgt} us" if ctx == 131072 and B == 128 else "",
                  meets=(t <= tgt) if ctx == 131072 and B == 128 else "", check=f"diff_vs_ref={chk:.2e}")
             if ctx == 131072 and B == 128 and not FAST:
-                for cfg in [(128, 4, 3), (64, 4, 4), (64, 8, 3)]:
-                    ts.CONFIG_OVERRIDES["rows"] = cfg
-                    try:
-                        t2 = _t(fn)
-                        _row(rows, op="paged_sparse_mqa_logits", impl=f"triton{cfg}", fmt=fmt, shape=shape, B=B,
-                             ctx=ctx, time_us=t2, floor_us=common.floor_us(kbytes), tbps=kbytes / t2 / 1e6)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"  config {cfg} failed: {e!r}")
-                    finally:
-                        ts.CONFIG_OVERRIDES.pop("rows", None)
+                _sweep_rows(rows, fn, op="paged_sparse_mqa_logits", fmt=fmt, shape=shape, B=B, ctx=ctx,
+                            floor=common.floor_us(kbytes), nbytes=kbytes)
             if FAST and fmt != "fp8":
                 continue
             # dense decode over the same cache
@@ -170,6 +180,9 @@ def bench_decode(rows, quick):
                 except Exception as e:  # noqa: BLE001
                     print(f"  deepgemm paged failed: {e!r}")
             t = _t(fnd)
+            if ctx == 131072 and B == 128 and not FAST and fmt == "fp8":
+                _sweep_rows(rows, fnd, op="paged_mqa_logits", fmt=fmt, shape=f"B{B} ctx{ctx}", B=B, ctx=ctx,
+                            floor=common.floor_us(dbytes), nbytes=dbytes)
             _row(rows, op="paged_mqa_logits", impl="triton", fmt=fmt, shape=f"B{B} ctx{ctx}", B=B, ctx=ctx,
                  time_us=t, floor_us=common.floor_us(dbytes), tbps=dbytes / t / 1e6,
                  vs_deepgemm=(dg_t / t) if (dg_t and fmt == "fp8") else "",
@@ -305,6 +318,9 @@ def bench_prefill_sparse(rows, quick):
                  time_us=t, floor_us=common.floor_us(flops=flops), tflops=flops / t / 1e6,
                  target=">= 600 TFLOP/s" if (pair and not quick) else "",
                  meets=(flops / t / 1e6 >= 600) if (pair and not quick) else "", check=f"diff_vs_ref={chk:.2e}")
+            if not pair and fmt == "fp8" and not quick and not FAST:
+                _sweep_rows(rows, fn, op="sparse_mqa_logits", fmt=fmt, shape=shape, floor=common.floor_us(flops=flops),
+                            flops=flops)
             if pair and fmt == "fp8" and not quick and not FAST:
                 for cfg in [(128, 8, 3), (64, 8, 3), (64, 4, 2)]:
                     ts.CONFIG_OVERRIDES["pair"] = cfg

@@ -45,8 +45,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # plain-Triton version of the same bit arithmetic).
 _USE_ASM = not _INTERPRET and os.environ.get("TSI_TRITON_NO_ASM", "0") != "1"
 
-_INT_ARGS = ["H", "NQ", "L", "OUT_STRIDE", "N", "NREQ", "MB", "BT_STRIDE", "NB_CACHE", "BS", "PAGE_STRIDE",
-             "NCAND", "CBS", "COLS", "W_STRIDE"]
+_INT_ARGS = ["H", "NQ", "L", "OUT_STRIDE", "N", "NREQ", "MB", "BT_STRIDE", "NB_CACHE", "BS", "LBS", "PAGE_STRIDE",
+             "NCAND", "CBS", "LCBS", "COLS", "W_STRIDE"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -208,16 +208,22 @@ def _load_queries(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.con
             do_not_specialize_on_alignment=["w_ptr", "out_ptr", "a_ptr", "b_ptr", "bt_ptr", "req_ptr",
                                             "cand_ptr", "qs_ptr"])
 def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, req_ptr, cand_ptr, out_ptr,
-                 H, L, OUT_STRIDE, N, NREQ, MB, BT_STRIDE, NB_CACHE, BS, PAGE_STRIDE, NCAND, CBS, W_STRIDE,
+                 H, L, OUT_STRIDE, N, NREQ, MB, BT_STRIDE, NB_CACHE, LBS, PAGE_STRIDE, NCAND, LCBS, W_STRIDE,
                  HP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr,
                  HAS_REQ: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
+                 IDX_LOAD: tl.constexpr, DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
     """Program (row, chunk): columns ``[chunk * COLS, (chunk + 1) * COLS)``, ``COLS = TILES * BLOCK_N``, of one
     query row.
 
     PAGED: ``a_ptr`` = context_lens, ``bt_ptr`` = block table, ``req_ptr`` = req_indices, ``kv_ptr`` = cache
     bytes. Packed: ``a_ptr/b_ptr`` = ks/ke, ``kv_ptr`` = K value bytes, ``ksc_ptr`` = K scales.
+    Block sizes are powers of two passed as ``LBS = log2(block_size)``, ``LCBS = log2(cbs)``: the per-column
+    index math is shifts and masks (a division by a runtime int costs ~20 instructions per element).
+    ``IDX_LOAD``: each tile loads its candidate / page ids itself (no shared-memory gathers and their
+    barriers) instead of gathering them from vectors loaded once per program.
     """
+    BS = 1 << LBS
+    CBS = 1 << LCBS
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     VB: tl.constexpr = D // 2 if FP4 else D
@@ -227,7 +233,7 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
             req = tl.load(req_ptr + row)
         else:
             req = row
-        n = tl.minimum(tl.maximum(n, 0), MB * BS)
+        n = tl.minimum(tl.maximum(n, 0), MB << LBS)
         n = tl.where((req >= 0) & (req < NREQ), n, 0)
         req = tl.minimum(tl.maximum(req, 0), NREQ - 1)
         ks_row = 0
@@ -270,39 +276,52 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     # addresses then come from register gathers, not from a load in the same iteration, so the pipeliner
     # streams K tiles ahead (an in-loop index load made it fall back to a synchronous K load).
     if SPARSE:
-        NS: tl.constexpr = TILES * BLOCK_N // 8  # cbs >= 8
-        s0 = c_lo // CBS
-        sl = s0 + tl.arange(0, NS)
-        blkv = tl.load(cand_row + sl, mask=sl < tl.minimum(NCAND, tl.cdiv(c_hi, CBS)), other=-1)
-        bval = (blkv >= 0) & (blkv < (n + CBS - 1) // CBS)
-        if PAGED:
-            pagev = tl.load(bt_row + tl.where(bval, (blkv * CBS) // BS, 0), mask=bval, other=-1)
+        nblk = (n + CBS - 1) >> LCBS
+        if not IDX_LOAD:
+            NS: tl.constexpr = TILES * BLOCK_N // 8  # cbs >= 8
+            s0 = c_lo >> LCBS
+            sl = s0 + tl.arange(0, NS)
+            blkv = tl.load(cand_row + sl, mask=sl < tl.minimum(NCAND, (c_hi + CBS - 1) >> LCBS), other=-1)
+            bval = (blkv >= 0) & (blkv < nblk)
+            if PAGED:
+                pagev = tl.load(bt_row + tl.where(bval, (blkv << LCBS) >> LBS, 0), mask=bval, other=-1)
     else:
-        if PAGED:
+        if PAGED and not IDX_LOAD:
             NPG: tl.constexpr = TILES * BLOCK_N // 8  # >= pages a chunk can touch (block_size >= 16)
-            p0 = c_lo // BS
+            p0 = c_lo >> LBS
             pi = p0 + tl.arange(0, NPG)
-            pagev = tl.load(bt_row + pi, mask=(pi < MB) & (pi * BS < tl.minimum(n, c_hi)), other=-1)
+            pagev = tl.load(bt_row + pi, mask=(pi < MB) & ((pi << LBS) < tl.minimum(n, c_hi)), other=-1)
     for c0 in tl.range(c_lo, c_mid, BLOCK_N, num_stages=NUM_STAGES):
         cols = c0 + offs
         cmask = cols < c_hi
         if SPARSE:
-            li = tl.minimum((cols - c_lo) // CBS, NS - 1)
-            blk = tl.gather(blkv, li, 0)
-            valid = cmask & tl.gather(bval.to(tl.int32), li, 0).to(tl.int1)
-            pos = tl.where(valid, blk * CBS + cols % CBS, 0)
+            if IDX_LOAD:
+                slot = cols >> LCBS
+                blk = tl.load(cand_row + slot, mask=cmask & (slot < NCAND), other=-1)
+                valid = cmask & (blk >= 0) & (blk < nblk)
+            else:
+                li = tl.minimum((cols - c_lo) >> LCBS, NS - 1)
+                blk = tl.gather(blkv, li, 0)
+                valid = cmask & tl.gather(bval.to(tl.int32), li, 0).to(tl.int1)
+            pos = tl.where(valid, (blk << LCBS) + (cols & (CBS - 1)), 0)
             valid = valid & (pos < n)
             if PAGED:
-                page = tl.gather(pagev, li, 0)
+                if IDX_LOAD:
+                    page = tl.load(bt_row + (pos >> LBS), mask=valid, other=-1)
+                else:
+                    page = tl.gather(pagev, li, 0)
         else:
             pos = cols
             valid = cmask & (pos < n)
             if PAGED:
-                page = tl.gather(pagev, tl.minimum(tl.maximum(cols // BS - p0, 0), NPG - 1), 0)
+                if IDX_LOAD:
+                    page = tl.load(bt_row + (cols >> LBS), mask=valid, other=-1)
+                else:
+                    page = tl.gather(pagev, tl.minimum(tl.maximum((cols >> LBS) - p0, 0), NPG - 1), 0)
         if PAGED:
             valid = valid & (page >= 0) & (page < NB_CACHE)
             page = tl.where(valid, page, 0).to(tl.int64)
-            off = (pos % BS).to(tl.int64)
+            off = (pos & (BS - 1)).to(tl.int64)
             # page stride % 16 == 0 is checked on the host (supports): 16-byte vector copies
             koff = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
             sidx = page * (PAGE_STRIDE // 4) + BS * (VB // 4) + off
@@ -560,15 +579,34 @@ def _sm_count(index: int) -> int:
 CONFIG_OVERRIDES: dict = {}
 
 
-def _rows_config(HP: int, fp4: bool):
-    if "rows" in CONFIG_OVERRIDES:
-        return CONFIG_OVERRIDES["rows"]
-    return 64, 4, 3  # BLOCK_N, warps, stages
-
-
 # Tiles per row program: fixed, so the per-program index vectors have a static size (and the grid is
 # rows x ceil(L / (tiles * BLOCK_N))).
 _ROW_TILES = 16
+
+
+_ROW_DEFAULT = (64, 4, 3, _ROW_TILES, False)
+# FP8 dense decode and FP8 sparse prefill: 128-token tiles whose ids are loaded per tile measured 7-9% faster
+# on the H200 (724 vs 777 us, 2321 vs 2540 us; benchmarks/NOTES.md, v3); paged sparse decode and MXFP4 were
+# slower that way (148 vs 110 us), so they keep the default.
+_ROW_WIDE = (128, 4, 3, _ROW_TILES, True)
+
+
+def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True):
+    """(BLOCK_N, warps, stages, tiles per program, per-tile index loads) of the row kernel; an override
+    may stop after any leading prefix of that tuple (the rest come from the default)."""
+    if "rows" in CONFIG_OVERRIDES:
+        cfg = tuple(CONFIG_OVERRIDES["rows"])
+        return cfg + _ROW_DEFAULT[len(cfg):]
+    if not fp4 and paged != sparse:
+        return _ROW_WIDE
+    return _ROW_DEFAULT
+
+
+def _log2(v: int) -> int:
+    """log2 of a power of two (block sizes are validated as powers of two by the ops)."""
+    if v <= 0 or v & (v - 1):
+        raise ValueError(f"expected a power of two, got {v}")
+    return v.bit_length() - 1
 
 
 def _chunk_cols(rows: int, width: int, block_n: int, sms: int, waves: int = 32, min_tiles: int = 4) -> int:
@@ -593,8 +631,8 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
     if R == 0 or L == 0:
         return
     HP = _heads_pad(H)
-    block_n, warps, stages = _rows_config(HP, fp4)
-    grid = (R, triton.cdiv(L, _ROW_TILES * block_n))
+    block_n, warps, stages, tiles, idx_load = _rows_config(HP, fp4, paged, sparse)
+    grid = (R, triton.cdiv(L, tiles * block_n))
     dummy = context_lens if paged else ks
     if paged:
         a, b = context_lens, context_lens
@@ -613,11 +651,11 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
     ncand = candidate_blocks.shape[1] if sparse else 1
     _rows_kernel[grid](
         _q_bytes(q), q_scale if q_scale is not None else dummy, weights, kv, kscale, a, b, bt, req, cand, logits,
-        H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, block_size, page_stride, ncand, cbs,
-        weights.stride(0),
+        H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, _log2(block_size), page_stride, ncand,
+        _log2(cbs), weights.stride(0),
         HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
-        BLOCK_N=block_n, TILES=_ROW_TILES, NUM_STAGES=stages, DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM,
-        num_warps=warps)
+        BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load,
+        DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, num_warps=warps)
 
 
 def _prefill_dense_config(HP: int, fp4: bool):
@@ -724,13 +762,15 @@ def _aligned(t, nbytes=16) -> bool:
     return (t.storage_offset() * t.element_size()) % nbytes == 0
 
 
+# Base pointers need no alignment: Triton specializes a pointer argument on 16-byte divisibility, so a
+# misaligned q / k / cache view compiles a variant with narrower loads and the same arithmetic (the same bits
+# as the aligned call). The ``tl.multiple_of`` hints in the kernels only describe offsets, which stay
+# multiples of 16 as long as a cache page stride is (checked below).
 def _common_supports(q, tensors):
     if not q.is_cuda:
         return "needs a CUDA tensor"
     if torch.cuda.get_device_capability(q.device) < (9, 0):
         return "needs SM90 or newer"
-    if not _aligned(q):
-        return "q must start 16-byte aligned"
     for name, t in tensors.items():
         if t is not None and t.dim() > 1 and t.stride(-1) != 1:
             return f"{name} must have stride(-1) == 1"
@@ -738,12 +778,7 @@ def _common_supports(q, tensors):
 
 
 def _supports_packed(q, q_scale, k, k_scale, weights, ks, ke, *rest):
-    why = _common_supports(q, {"weights": weights})
-    if why:
-        return why
-    if not _aligned(k):
-        return "k must start 16-byte aligned"
-    return None
+    return _common_supports(q, {"weights": weights})
 
 
 def _supports_paged(q, q_scale, kv_cache, weights, *rest):
@@ -751,8 +786,8 @@ def _supports_paged(q, q_scale, kv_cache, weights, *rest):
     if why:
         return why
     kv = formats.as_3d_cache(kv_cache)
-    if not _aligned(kv) or (kv.shape[0] > 1 and kv.stride(0) % 16 != 0):
-        return "kv_cache pages must start 16-byte aligned (page stride % 16 == 0)"
+    if kv.shape[0] > 1 and kv.stride(0) % 16 != 0:
+        return "kv_cache page stride must be a multiple of 16 bytes"
     return None
 
 
