@@ -113,5 +113,23 @@ def select(op: str, *args) -> Backend:
     raise NotImplementedError(f"sparse_indexer.{op}: no backend supports this call ({detail})")
 
 
+_recorders: list[list] = []
+
+
+@contextlib.contextmanager
+def record_dispatch():
+    """Collect ``(op, backend name)`` for every dispatch inside the block (debugging which backend ran
+    where, e.g. eager vs a compiled step); yields the list it appends to."""
+    rec: list = []
+    _recorders.append(rec)
+    try:
+        yield rec
+    finally:
+        _recorders.remove(rec)
+
+
 def dispatch(op: str, *args):
-    return select(op, *args).fn(*args)
+    b = select(op, *args)
+    for rec in _recorders:
+        rec.append((op, b.name))
+    return b.fn(*args)
