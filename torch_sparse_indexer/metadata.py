@@ -235,6 +235,7 @@ class IndexerMetadataBuilder(nn.Module):
         reg("_qsl_raw", torch.zeros(R + 1, **i32), persistent=False)
         reg("_qsl", torch.zeros(R + 1, **i32), persistent=False)
         reg("_qsl_arg", torch.zeros(R + 1, dtype=torch.int64, device=device), persistent=False)
+        reg("_qsl_ends", torch.zeros(R, **i32), persistent=False)
         reg("_nd", torch.zeros(1, **i32), persistent=False)
         reg("_nd_long", torch.zeros(1, dtype=torch.int64, device=device), persistent=False)
         for name in ("_len", "_nq", "_start", "_plen", "_cu_raw"):
@@ -363,7 +364,11 @@ class IndexerMetadataBuilder(nn.Module):
         tok = self._ar_tok
         treq, tj, tpos, tend, ttmp = self._treq, self._tj, self._tpos, self._tend, self._ttmp
         tin, tdec, tpre, tok_ok, tbtmp = self._tin, self._tdec, self._tpre, self._tok, self._tbtmp
-        torch.searchsorted(qsl[1:], tok, right=True, out_int32=True, out=treq)
+        # searchsorted on a buffer of its own, not on the view qsl[1:]: Inductor's GPU lowering (torch 2.11,
+        # seen on the H200) dropped the view's storage offset and searched qsl itself, so every row landed
+        # in the next request.
+        self._qsl_ends.copy_(qsl[1:])
+        torch.searchsorted(self._qsl_ends, tok, right=True, out_int32=True, out=treq)
         torch.lt(tok, qsl[R:], out=tin)                              # token exists in the step
         treq.clamp_(max=R - 1)
         torch.index_select(qsl, 0, treq, out=tj)
