@@ -40,6 +40,7 @@ top-k, then runs the kernel-vs-reference comparison on the CPU (slow; checks thi
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import math
 import os
@@ -116,11 +117,32 @@ BUDGET_S = float(os.environ.get("TSI_FUZZ_BUDGET_S", "0"))
 _START: dict = {}
 
 
+_FAILING: set = set()
+
+
 def _in_budget(name):
-    if BUDGET_S <= 0:
+    if BUDGET_S <= 0 or name in _FAILING:
         return True
     t0 = _START.setdefault(name, time.time())
     return time.time() - t0 < BUDGET_S
+
+
+def _budgeted(name):
+    """Skip examples past the budget, except once an example of this test has failed: hypothesis then
+    replays it (to shrink and report), and the replay must run in full or hypothesis reports a flaky
+    strategy instead of the failure."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            if not _in_budget(name):
+                return None
+            try:
+                return fn(*args, **kwargs)
+            except BaseException:
+                _FAILING.add(name)
+                raise
+        return inner
+    return deco
 
 
 FUZZ = _settings(EXAMPLES)
@@ -537,9 +559,8 @@ def test_fuzz_decode(device, sparse):
 
     @FUZZ
     @given(c=paged_cases(sparse), data=st.data())
+    @_budgeted((name, device))
     def run(c, data):
-        if not _in_budget((name, device)):
-            return
         _decode_case(name, device, c, sparse, data)
         _count(name, device)
     run()
@@ -774,9 +795,8 @@ def test_fuzz_prefill(device, sparse):
 
     @FUZZ
     @given(c=prefill_cases(), data=st.data())
+    @_budgeted((name, device))
     def run(c, data):
-        if not _in_budget((name, device)):
-            return
         _prefill_case(name, device, c, sparse, data)
         _count(name, device)
     run()
@@ -927,9 +947,8 @@ def test_fuzz_selection(device):
 
     @FUZZ_LIGHT
     @given(case=selection_cases(), data=st.data())
+    @_budgeted((name, device))
     def run(case, data):
-        if not _in_budget((name, device)):
-            return
         logits, lengths, k, padded, seed, kinds = case
         gen = torch.Generator().manual_seed(seed + 1)
         R, L = logits.shape
@@ -1001,9 +1020,8 @@ def test_fuzz_cache_ops(device):
 
     @FUZZ_LIGHT
     @given(case=cache_op_cases(), data=st.data())
+    @_budgeted((name, device))
     def run(case, data):
-        if not _in_budget((name, device)):
-            return
         fmt, D, bs, mode, kdtype, exp, seed = case
         gen = torch.Generator().manual_seed(seed)
         NB = data.draw(st.integers(1, 4), label="pages")
