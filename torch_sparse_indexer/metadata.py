@@ -364,10 +364,12 @@ class IndexerMetadataBuilder(nn.Module):
         tok = self._ar_tok
         treq, tj, tpos, tend, ttmp = self._treq, self._tj, self._tpos, self._tend, self._ttmp
         tin, tdec, tpre, tok_ok, tbtmp = self._tin, self._tdec, self._tpre, self._tok, self._tbtmp
-        # searchsorted on a buffer of its own, not on the view qsl[1:]: Inductor's GPU lowering (torch 2.11,
-        # seen on the H200) dropped the view's storage offset and searched qsl itself, so every row landed
-        # in the next request.
-        self._qsl_ends.copy_(qsl[1:])
+        # The sorted sequence is computed into a buffer of its own, never passed as the view qsl[1:]: on the
+        # H200 (torch 2.11), Inductor's GPU lowering of searchsorted ignored that view's storage offset and
+        # searched qsl itself, so every row landed in the next request. A plain copy_ is not enough (the
+        # functional graph reads the copy's value, the view, again); qsl is non-decreasing, so this max is
+        # qsl[1:] and Inductor materializes it.
+        torch.maximum(qsl[1:], qsl[:-1], out=self._qsl_ends)
         torch.searchsorted(self._qsl_ends, tok, right=True, out_int32=True, out=treq)
         torch.lt(tok, qsl[R:], out=tin)                              # token exists in the step
         treq.clamp_(max=R - 1)
