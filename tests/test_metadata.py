@@ -284,3 +284,35 @@ def test_builder_outputs_live_in_its_buffers():
     m2 = b.build(*_tensors([0, 1], [7], [[5]]), torch.tensor([1]))
     for m in (m1, m2):
         assert [t.data_ptr() for t in pytree.tree_leaves(m)] == ptrs
+
+
+_VIEW_OPS = {torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.as_strided.default,
+             torch.ops.aten.alias.default, torch.ops.aten.view.default, torch.ops.aten.narrow.default}
+
+
+def test_compiled_builder_searches_a_materialized_sequence():
+    """The traced builder never hands ``searchsorted`` a view as its sorted sequence: Inductor's GPU lowering
+    of searchsorted in torch 2.11 ignores a view's storage offset (pytorch/pytorch#182343; seen on the
+    H200 as request indices off by one), so the sequence must be computed into a buffer of its own."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        def fw(g, inputs):
+            graphs.append(g)
+            return make_boxed_func(g.forward)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=fw)
+
+    caps = CAPS[0]
+    builder = IndexerMetadataBuilder(caps)
+    qsl, seqs, table, nd = random_step(random.Random(0), caps, odd=False)
+    args = _tensors(qsl, seqs, table, torch.int32) + (torch.tensor([nd]),)
+    torch._dynamo.reset()
+    torch.compile(builder.build, backend=backend, fullgraph=True)(*args)
+    nodes = [n for g in graphs for n in g.graph.nodes if n.target is torch.ops.aten.searchsorted.Tensor]
+    assert nodes, "the builder should call searchsorted"
+    for n in nodes:
+        seq = n.args[0]
+        assert seq.op != "placeholder" and seq.target not in _VIEW_OPS, f"searchsorted on {seq.format_node()}"
