@@ -366,9 +366,9 @@ class IndexerMetadataBuilder(nn.Module):
         tin, tdec, tpre, tok_ok, tbtmp = self._tin, self._tdec, self._tpre, self._tok, self._tbtmp
         # The sorted sequence is computed into a buffer of its own, never passed as the view qsl[1:]: on the
         # H200 (torch 2.11), Inductor's GPU lowering of searchsorted ignored that view's storage offset and
-        # searched qsl itself, so every row landed in the next request. A plain copy_ is not enough (the
-        # functional graph reads the copy's value, the view, again); qsl is non-decreasing, so this max is
-        # qsl[1:] and Inductor materializes it.
+        # searched qsl itself, so every row landed in the next request (pytorch/pytorch#182343). qsl is
+        # non-decreasing, so this max equals qsl[1:]; being a computation, Inductor gives it a buffer of its
+        # own (a plain copy_ into the buffer was tried once on the H200 and the compiled step still differed).
         torch.maximum(qsl[1:], qsl[:-1], out=self._qsl_ends)
         torch.searchsorted(self._qsl_ends, tok, right=True, out_int32=True, out=treq)
         torch.lt(tok, qsl[R:], out=tin)                              # token exists in the step

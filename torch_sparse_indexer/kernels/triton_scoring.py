@@ -272,9 +272,10 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     cand_row = cand_ptr + row.to(tl.int64) * NCAND
     bt_row = bt_ptr + req.to(tl.int64) * BT_STRIDE
     offs = tl.arange(0, BLOCK_N)
-    # The program's candidate ids and page ids are loaded once, before the loop: inside it the K tile's
-    # addresses then come from register gathers, not from a load in the same iteration, so the pipeliner
-    # streams K tiles ahead (an in-loop index load made it fall back to a synchronous K load).
+    # Without IDX_LOAD, the program's candidate ids and page ids are loaded once, before the loop, and each
+    # tile takes its ids by register gathers (shared memory and a barrier each). With IDX_LOAD each tile
+    # loads its ids; triton 3.6's pipeliner streams those loads as earlier cp.async stages (v2's in-loop
+    # loads were synchronous only because the K offsets were not provably 16-byte multiples).
     if SPARSE:
         nblk = (n + CBS - 1) >> LCBS
         if not IDX_LOAD:
@@ -756,10 +757,6 @@ def paged_sparse_mqa_logits(q, q_scale, kv_cache, weights, context_lens, block_t
     _launch_rows(q, q_scale, weights, logits, paged=True, sparse=True, kv=kv, context_lens=context_lens,
                  block_table=block_table, req_indices=req_indices, candidate_blocks=candidate_blocks, cbs=cbs,
                  block_size=bs, num_cache_blocks=nb, page_stride=stride)
-
-
-def _aligned(t, nbytes=16) -> bool:
-    return (t.storage_offset() * t.element_size()) % nbytes == 0
 
 
 # Base pointers need no alignment: Triton specializes a pointer argument on 16-byte divisibility, so a
