@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from torch_sparse_indexer import formats
+from torch_sparse_indexer import formats, testing
 
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -108,28 +108,11 @@ class Paged:
 
 
 def paged_cache(seq_lens, bs, D, fmt, gen, exact=False, max_blocks=None, spare=2, stale=True):
-    """Requests' K in a shuffled paged cache. Table entries past a request's pages are -1 or (``stale``)
-    ids of real pages, as engines leave them; spare pages hold garbage-free random K too."""
-    need = [(n + bs - 1) // bs for n in seq_lens]
-    mb = max_blocks or max([1] + need)
-    total = sum(need) + spare
-    cache = formats.allocate_k_cache(total, bs, D, fmt)
-    vals_v, scales_v = formats.cache_views(cache, fmt)
-    x = with_duplicates(raw_rows((total * bs, D), fmt, gen, exact), gen)
-    v, s = formats.quantize_rows(x, fmt)
-    vals_v.view(torch.uint8).copy_(v.view(torch.uint8).view(total, bs, -1))
-    scales_v.copy_(s.view(total, bs))
-    perm = torch.randperm(total, generator=gen).tolist()
-    bt = torch.full((len(seq_lens), mb), -1, dtype=torch.int32)
-    it = iter(perm)
-    for r, nb in enumerate(need):
-        for b in range(nb):
-            bt[r, b] = next(it)
-        if stale:
-            for b in range(nb, mb):
-                if torch.rand(1, generator=gen).item() < 0.5:
-                    bt[r, b] = perm[torch.randint(0, total, (1,), generator=gen).item()]
-    return Paged(cache, bt, list(seq_lens))
+    """Requests' K in a shuffled paged cache (``testing.make_paged_cache``) from this module's row
+    generator (exact or random data, duplicated rows); stale table entries by default."""
+    pc = testing.make_paged_cache(seq_lens, bs, D, fmt, gen=gen, max_blocks=max_blocks, spare_blocks=spare,
+                                  stale=stale, rows=lambda n: with_duplicates(raw_rows((n, D), fmt, gen, exact), gen))
+    return Paged(pc.kv_cache, pc.block_table, list(seq_lens))
 
 
 def decode_rows(seq_lens, gen, mtp=3):

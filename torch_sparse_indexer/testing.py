@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -81,16 +81,19 @@ class PagedCase:
 
 
 def make_paged_cache(seq_lens: Sequence[int], block_size: int, D: int, fmt: str, device="cpu", gen=None,
-                     max_blocks: Optional[int] = None, spare_blocks: int = 2) -> PagedCase:
-    """A cache holding random K for each request, pages shuffled; unused table entries are -1 ...
-    except that they point at real pages half the time (engines leave stale ids there)."""
+                     max_blocks: Optional[int] = None, spare_blocks: int = 2, stale: bool = False,
+                     rows: Optional[Callable[[int], torch.Tensor]] = None) -> PagedCase:
+    """A cache holding K for each request, pages shuffled; table entries past a request's pages are -1, or
+    with ``stale`` ids of real pages half the time (engines leave stale ids there).
+
+    ``rows(n)`` gives the ``[n, D]`` float rows to quantize into the ``n`` token slots (default: Gaussian)."""
     need = [(n + block_size - 1) // block_size for n in seq_lens]
     mb = max_blocks or max([1] + need)
     total = sum(need) + spare_blocks
     cache = formats.allocate_k_cache(total, block_size, D, fmt, device)
     vals_v, scales_v = formats.cache_views(cache, fmt)
-    x = torch.randn(total * block_size, D, generator=gen, device="cpu").to(device)
-    v, s = formats.quantize_rows(x, fmt)
+    x = rows(total * block_size) if rows is not None else torch.randn(total * block_size, D, generator=gen)
+    v, s = formats.quantize_rows(x.to(device), fmt)
     vals_v.view(torch.uint8).copy_(v.view(torch.uint8).view(total, block_size, -1))
     scales_v.copy_(s.view(total, block_size))
     perm = torch.randperm(total, generator=gen).tolist()
@@ -99,6 +102,10 @@ def make_paged_cache(seq_lens: Sequence[int], block_size: int, D: int, fmt: str,
     for r, nb in enumerate(need):
         for b in range(nb):
             bt[r, b] = next(it)
+        if stale:
+            for b in range(nb, mb):
+                if torch.rand(1, generator=gen).item() < 0.5:
+                    bt[r, b] = perm[torch.randint(0, total, (1,), generator=gen).item()]
     return PagedCase(cache, bt.to(device), list(seq_lens), fmt, D, block_size)
 
 
