@@ -13,26 +13,10 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
-from torch_sparse_indexer.kernels import cuda_topk as ct  # noqa: E402
-from torch_sparse_indexer.kernels import triton_cache as tc  # noqa: E402
-from torch_sparse_indexer.kernels import triton_scoring as ts  # noqa: E402
-
-
-def _register_for_cpu():
-    # The backends decline CPU tensors in their support checks; accept them here (and nothing else changes).
-    ts._common_supports = lambda q, tensors: None
-    for name in ("_supports_write", "_supports_gather", "_supports_quantize_q"):
-        setattr(tc, name, lambda *a: None)
-    ct.load(os.environ["TSI_TOPK_EMU"])
-    ct._common_reason = lambda logits, kk: (None if logits.dtype in ct._DTYPE_CODE and kk <= ct.max_k()
-                                            else "dtype or k")
-    ts.register()
-    tc.register()
-    ct.register()
-
+from torch_sparse_indexer.testing import register_cpu_emulation  # noqa: E402
 
 if __name__ == "__main__":
-    _register_for_cpu()
+    register_cpu_emulation(os.environ["TSI_TOPK_EMU"])
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
     import two_level_indexer
 

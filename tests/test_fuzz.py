@@ -61,19 +61,9 @@ ops = torch.ops.sparse_indexer
 
 EMULATE = os.environ.get("TSI_FUZZ_EMULATE") == "1"
 if EMULATE:
-    from torch_sparse_indexer.kernels import triton_cache as _tc, triton_scoring as _ts
-    # (the dense prefill kernel does not run under the interpreter: KeyError on its launch)
-    for _op, _fn in [("sparse_mqa_logits", _ts.sparse_mqa_logits),
-                     ("paged_mqa_logits", _ts.paged_mqa_logits),
-                     ("paged_sparse_mqa_logits", _ts.paged_sparse_mqa_logits),
-                     ("write_k_cache", _tc.write_k_cache), ("gather_k", _tc.gather_k),
-                     ("quantize_q", _tc.quantize_q)]:
-        backends.register(_op, "triton", _fn, priority=10)
-    if os.environ.get("TSI_TOPK_EMU"):
-        from torch_sparse_indexer.kernels import cuda_topk as _ct
-        _ct.load(os.environ["TSI_TOPK_EMU"])
-        for _op, _fn in [("topk", _ct.topk), ("sparse_topk", _ct.sparse_topk), ("block_topk", _ct.block_topk)]:
-            backends.register(_op, "cuda", _fn, priority=20)
+    from torch_sparse_indexer.testing import EMULATED_OPS, register_cpu_emulation
+    # (the dense prefill kernel's launch failed under the interpreter when this hook was written: KeyError)
+    register_cpu_emulation(os.environ.get("TSI_TOPK_EMU"), [op for op in EMULATED_OPS if op != "mqa_logits"])
 
 PROFILE = os.environ.get("TSI_FUZZ_PROFILE", "ci")
 NEG_INF = float("-inf")

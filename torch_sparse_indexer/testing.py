@@ -126,3 +126,29 @@ def random_candidates(lengths: Sequence[int], num_blocks: int, cbs: int, gen=Non
             ids = torch.randperm(nbk, generator=gen)[:m].sort().values
         out[r, :m] = ids.to(torch.int32)
     return out.to(device)
+
+
+EMULATED_OPS = ("mqa_logits", "sparse_mqa_logits", "paged_mqa_logits", "paged_sparse_mqa_logits", "write_k_cache",
+                "gather_k", "quantize_q", "topk", "sparse_topk", "block_topk")
+
+
+def register_cpu_emulation(topk_lib: Optional[str] = None, ops: Sequence[str] = EMULATED_OPS) -> None:
+    """Developer hook: run the GPU kernels' own logic on CPU tensors. Registers the Triton kernels of ``ops``
+    (``TRITON_INTERPRET=1`` must be set before triton is imported) and, given ``topk_lib`` (a CPU emulation
+    build from ``csrc/emu/build_emu.sh``), the CUDA top-k kernels, as backends that accept any tensor. Logic
+    only: interpreter numerics are not the GPU's. Used by ``tests/test_fuzz.py`` (``TSI_FUZZ_EMULATE``) and
+    ``scripts/emulated_gpu_example.py``."""
+    from . import backends
+    from .kernels import triton_cache as tc, triton_scoring as ts
+
+    fns = {"mqa_logits": ts.mqa_logits, "sparse_mqa_logits": ts.sparse_mqa_logits,
+           "paged_mqa_logits": ts.paged_mqa_logits, "paged_sparse_mqa_logits": ts.paged_sparse_mqa_logits,
+           "write_k_cache": tc.write_k_cache, "gather_k": tc.gather_k, "quantize_q": tc.quantize_q}
+    if topk_lib:
+        from .kernels import cuda_topk as ct
+        ct.load(topk_lib)
+        fns.update(topk=ct.topk, sparse_topk=ct.sparse_topk, block_topk=ct.block_topk)
+    for op in ops:
+        if op in fns:
+            backends.register(op, "cuda" if op.endswith("topk") else "triton", fns[op],
+                              priority=20 if op.endswith("topk") else 10)
