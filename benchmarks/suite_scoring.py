@@ -362,6 +362,19 @@ def bench_cache(rows, quick):
         _row(rows, op="write_k_cache", impl="triton", fmt=fmt, shape=f"T{T} D{D} bf16", time_us=t,
              floor_us=common.floor_us(by), tbps=by / t / 1e6, target=">= 0.8 of copy bw",
              meets=common.floor_us(by) / t >= 0.8, check=f"bytes_equal_ref={same}")
+        for cfg in [(64, False), (128, True), (128, False)]:  # (tokens per program, integer e4m3 rounding)
+            tc.CONFIG_OVERRIDES["write"] = cfg
+            try:
+                got.zero_()
+                tc.write_k_cache(k[:4096], slot[:4096], got, fmt, True)
+                same2 = torch.equal(got, want)
+                t2 = _t(fn)
+                _row(rows, op="write_k_cache", impl=f"triton{cfg}", fmt=fmt, shape=f"T{T} D{D} bf16", time_us=t2,
+                     floor_us=common.floor_us(by), tbps=by / t2 / 1e6, check=f"bytes_equal_ref={same2}")
+            except Exception as e:  # noqa: BLE001
+                print(f"  write config {cfg} failed: {e!r}")
+            finally:
+                tc.CONFIG_OVERRIDES.pop("write", None)
         bt = torch.randperm(nb, device=DEV).to(torch.int32).view(1, nb)
         cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
         vb = formats.value_bytes(fmt, D)
@@ -375,6 +388,21 @@ def bench_cache(rows, quick):
         t = _t(fn)
         _row(rows, op="gather_k", impl="triton", fmt=fmt, shape=f"T{T} D{D}", time_us=t, floor_us=common.floor_us(by),
              tbps=by / t / 1e6, target=">= 0.8 of copy bw", meets=common.floor_us(by) / t >= 0.8)
+        want_k, want_s = ko.clone(), so.clone()
+        for cfg in [(32, None), (128, None), (256, None)]:  # request chunk sized from the batch (not default)
+            tc.CONFIG_OVERRIDES["gather"] = cfg
+            try:
+                ko.zero_()
+                so.zero_()
+                fn()
+                same = torch.equal(ko.view(torch.uint8), want_k.view(torch.uint8)) and torch.equal(so, want_s)
+                t2 = _t(fn)
+                _row(rows, op="gather_k", impl=f"triton{cfg}", fmt=fmt, shape=f"T{T} D{D}", time_us=t2,
+                     floor_us=common.floor_us(by), tbps=by / t2 / 1e6, check=f"same_as_default={same}")
+            except Exception as e:  # noqa: BLE001
+                print(f"  gather config {cfg} failed: {e!r}")
+            finally:
+                tc.CONFIG_OVERRIDES.pop("gather", None)
         Tq = 8192 if not quick else 1024
         q = torch.randn(Tq, H, D, device=DEV, dtype=torch.bfloat16)
         w = torch.randn(Tq, H, device=DEV)

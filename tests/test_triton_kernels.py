@@ -29,11 +29,7 @@ if torch.cuda.is_available() or INTERPRET:
     from torch_sparse_indexer.kernels import triton_cache as tc
     from torch_sparse_indexer.kernels import triton_scoring as ts
 if INTERPRET:
-    for _op, _fn in [("mqa_logits", ts.mqa_logits), ("sparse_mqa_logits", ts.sparse_mqa_logits),
-                     ("paged_mqa_logits", ts.paged_mqa_logits),
-                     ("paged_sparse_mqa_logits", ts.paged_sparse_mqa_logits), ("write_k_cache", tc.write_k_cache),
-                     ("gather_k", tc.gather_k), ("quantize_q", tc.quantize_q)]:
-        backends.register(_op, "triton", _fn, priority=10)
+    testing.register_cpu_emulation()  # the Triton kernels for CPU tensors (no top-k library)
 
 DEV = "cpu" if INTERPRET else "cuda"
 TOL = 1e-5
@@ -325,7 +321,10 @@ def test_write_k_cache(fmt, D, kdtype, seed, gen):
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_gather_k(fmt, D, seed, gen):
+@pytest.mark.parametrize("gcfg", [None, (64, None)], ids=["default", "batch-sized-chunk"])
+def test_gather_k(fmt, D, gcfg, seed, gen, monkeypatch):
+    if gcfg is not None:  # the launch variant the benchmark compares (rows per program, request chunk)
+        monkeypatch.setitem(tc.CONFIG_OVERRIDES, "gather", gcfg)
     rng = random.Random(seed)
     bs = rng.choice(formats.CACHE_BLOCK_SIZES)
     seq = [rng.randint(0, 3 * bs) for _ in range(rng.randint(1, 5))]

@@ -20,6 +20,26 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _TOK = 64  # tokens (or query-head rows) per program (write, quantize)
 _GTOK = 32  # rows per program (gather); 128 measured slower on the H200 (NOTES.md)
 
+# Benchmarks may override launches: {"write": see _write_config, "gather": (rows per program, request chunk or
+# None)}. ``None``
+# sizes the request chunk from the batch (next power of two of num_reqs + 1, 2..128): the per-row request
+# search compares each row with a whole chunk, so a 128-wide chunk for one request is ~60x the work the copy
+# needs. Not the default until measured on the H200.
+CONFIG_OVERRIDES: dict = {}
+
+
+def _write_config():
+    """(tokens per program, integer e4m3 rounding): ``False`` uses triton's fp8 cast (the hardware
+    conversion), which must first be shown byte-equal to the reference on the H200 (NOTES.md)."""
+    return CONFIG_OVERRIDES.get("write", (_TOK, True))
+
+
+def _gather_config(R: int):
+    tok, rc = CONFIG_OVERRIDES.get("gather", (_GTOK, 128))
+    if rc is None:
+        rc = min(128, max(2, triton.next_power_of_2(R + 1)))
+    return tok, rc
+
 
 @triton.jit
 def _pow2_ceil(s):
@@ -213,8 +233,9 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     T, D = k.shape
     if T == 0:
         return
-    _write_kernel[(triton.cdiv(T, _TOK),)](k, slot_mapping, kv, T, nb * bs, bs, stride, D=D, FP4=fmt == "mxfp4",
-                                           POW2=bool(pow2_scale), TOK=_TOK, SOFT_FP8=True, num_warps=4)
+    tok, soft = _write_config()
+    _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, bs, stride, D=D, FP4=fmt == "mxfp4",
+                                          POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft, num_warps=4)
 
 
 def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
@@ -224,9 +245,10 @@ def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
     if N == 0 or R <= 0:
         return
     kb = k.view(torch.uint8)
-    _gather_kernel[(triton.cdiv(N, _GTOK),)](kv, block_table, cu_seq_lens, kb, k_scale, N, R, block_table.shape[0],
-                                             block_table.shape[1], block_table.stride(0), nb, bs, stride,
-                                             VB=bpt - 4, FP4=fmt == "mxfp4", TOK=_GTOK, RC=128, num_warps=4)
+    tok, rc = _gather_config(R)
+    _gather_kernel[(triton.cdiv(N, tok),)](kv, block_table, cu_seq_lens, kb, k_scale, N, R, block_table.shape[0],
+                                           block_table.shape[1], block_table.stride(0), nb, bs, stride,
+                                           VB=bpt - 4, FP4=fmt == "mxfp4", TOK=tok, RC=rc, num_warps=4)
 
 
 def quantize_q(q, weights, fmt, weight_scale):
