@@ -111,17 +111,26 @@ ROW_SWEEP = [(64, 4, 3, 16, False), (64, 4, 3, 16, True), (64, 4, 4, 16, True), 
              (64, 4, 4, 32, True), (128, 4, 3, 16, True), (128, 8, 4, 16, True), (64, 4, 3, 32, False)]
 
 
-def _sweep_rows(rows, fn, *, op, fmt, shape, floor, nbytes=None, flops=None, **extra):
-    for cfg in ROW_SWEEP:
-        ts.CONFIG_OVERRIDES["rows"] = cfg
+def _sweep(rows, overrides, key, configs, fn, *, op, fmt, shape, floor, nbytes=None, flops=None, check=None,
+           **extra):
+    """One row per launch configuration: ``overrides[key] = cfg`` (a kernel module's ``CONFIG_OVERRIDES``),
+    ``check()`` (optional) runs first and gives the row's check column, then ``fn`` is timed."""
+    for cfg in configs:
+        overrides[key] = cfg
         try:
+            chk = check() if check else ""
             t2 = _t(fn)
             _row(rows, op=op, impl=f"triton{cfg}", fmt=fmt, shape=shape, time_us=t2, floor_us=floor,
-                 tbps=(nbytes / t2 / 1e6) if nbytes else "", tflops=(flops / t2 / 1e6) if flops else "", **extra)
+                 tbps=(nbytes / t2 / 1e6) if nbytes else "", tflops=(flops / t2 / 1e6) if flops else "", check=chk,
+                 **extra)
         except Exception as e:  # noqa: BLE001
-            print(f"  config {cfg} failed: {e!r}")
+            print(f"  {key} config {cfg} failed: {e!r}")
         finally:
-            ts.CONFIG_OVERRIDES.pop("rows", None)
+            overrides.pop(key, None)
+
+
+def _sweep_rows(rows, fn, **kw):
+    _sweep(rows, ts.CONFIG_OVERRIDES, "rows", ROW_SWEEP, fn, **kw)
 
 
 def bench_decode(rows, quick):
@@ -362,19 +371,13 @@ def bench_cache(rows, quick):
         _row(rows, op="write_k_cache", impl="triton", fmt=fmt, shape=f"T{T} D{D} bf16", time_us=t,
              floor_us=common.floor_us(by), tbps=by / t / 1e6, target=">= 0.8 of copy bw",
              meets=common.floor_us(by) / t >= 0.8, check=f"bytes_equal_ref={same}")
-        for cfg in [(64, False), (128, True), (128, False)]:  # (tokens per program, integer e4m3 rounding)
-            tc.CONFIG_OVERRIDES["write"] = cfg
-            try:
-                got.zero_()
-                tc.write_k_cache(k[:4096], slot[:4096], got, fmt, True)
-                same2 = torch.equal(got, want)
-                t2 = _t(fn)
-                _row(rows, op="write_k_cache", impl=f"triton{cfg}", fmt=fmt, shape=f"T{T} D{D} bf16", time_us=t2,
-                     floor_us=common.floor_us(by), tbps=by / t2 / 1e6, check=f"bytes_equal_ref={same2}")
-            except Exception as e:  # noqa: BLE001
-                print(f"  write config {cfg} failed: {e!r}")
-            finally:
-                tc.CONFIG_OVERRIDES.pop("write", None)
+        def write_check():
+            got.zero_()
+            tc.write_k_cache(k[:4096], slot[:4096], got, fmt, True)
+            return f"bytes_equal_ref={torch.equal(got, want)}"
+        # (tokens per program, integer e4m3 rounding): candidates for the default, not yet measured
+        _sweep(rows, tc.CONFIG_OVERRIDES, "write", [(64, False), (128, True), (128, False)], fn, op="write_k_cache",
+               fmt=fmt, shape=f"T{T} D{D} bf16", floor=common.floor_us(by), nbytes=by, check=write_check)
         bt = torch.randperm(nb, device=DEV).to(torch.int32).view(1, nb)
         cu = torch.tensor([0, T], dtype=torch.int32, device=DEV)
         vb = formats.value_bytes(fmt, D)
@@ -389,20 +392,16 @@ def bench_cache(rows, quick):
         _row(rows, op="gather_k", impl="triton", fmt=fmt, shape=f"T{T} D{D}", time_us=t, floor_us=common.floor_us(by),
              tbps=by / t / 1e6, target=">= 0.8 of copy bw", meets=common.floor_us(by) / t >= 0.8)
         want_k, want_s = ko.clone(), so.clone()
-        for cfg in [(32, None), (128, None), (256, None)]:  # request chunk sized from the batch (not default)
-            tc.CONFIG_OVERRIDES["gather"] = cfg
-            try:
-                ko.zero_()
-                so.zero_()
-                fn()
-                same = torch.equal(ko.view(torch.uint8), want_k.view(torch.uint8)) and torch.equal(so, want_s)
-                t2 = _t(fn)
-                _row(rows, op="gather_k", impl=f"triton{cfg}", fmt=fmt, shape=f"T{T} D{D}", time_us=t2,
-                     floor_us=common.floor_us(by), tbps=by / t2 / 1e6, check=f"same_as_default={same}")
-            except Exception as e:  # noqa: BLE001
-                print(f"  gather config {cfg} failed: {e!r}")
-            finally:
-                tc.CONFIG_OVERRIDES.pop("gather", None)
+
+        def gather_check():
+            ko.zero_()
+            so.zero_()
+            fn()
+            same = torch.equal(ko.view(torch.uint8), want_k.view(torch.uint8)) and torch.equal(so, want_s)
+            return f"same_as_default={same}"
+        # (rows per program, request chunk sized from the batch): candidates for the default, not yet measured
+        _sweep(rows, tc.CONFIG_OVERRIDES, "gather", [(32, None), (128, None), (256, None)], fn, op="gather_k",
+               fmt=fmt, shape=f"T{T} D{D}", floor=common.floor_us(by), nbytes=by, check=gather_check)
         Tq = 8192 if not quick else 1024
         q = torch.randn(Tq, H, D, device=DEV, dtype=torch.bfloat16)
         w = torch.randn(Tq, H, device=DEV)
