@@ -105,10 +105,10 @@ def _ref_rows_diff(mine, ref_fn, rows):
 
 FAST = os.environ.get("TSI_BENCH_FAST", "0") == "1"  # target shapes only, no config sweeps / torch rows
 
-# Row-kernel launch configurations compared at the target shapes: (BLOCK_N, warps, stages, tiles per program).
-# The last entry says whether each tile loads its own candidate / page ids (no shared-memory gathers).
-ROW_SWEEP = [(64, 4, 3, 16, False), (64, 4, 3, 16, True), (64, 4, 4, 16, True), (64, 4, 5, 16, True),
-             (64, 4, 4, 32, True), (128, 4, 3, 16, True), (128, 8, 4, 16, True), (64, 4, 3, 32, False)]
+# Row-kernel launch configurations compared at the target shapes (triton_scoring._rows_config):
+# (BLOCK_N, warps, stages, tiles per program, per-tile id loads, packed ids).
+ROW_SWEEP = [(64, 4, 3, 16, False, False), (64, 4, 3, 16, False, True), (64, 4, 3, 32, False, True),
+             (128, 4, 3, 16, False, True), (64, 4, 3, 16, True), (128, 4, 3, 16, True), (128, 4, 4, 16, True)]
 
 
 def _sweep(rows, overrides, key, configs, fn, *, op, fmt, shape, floor, nbytes=None, flops=None, check=None,

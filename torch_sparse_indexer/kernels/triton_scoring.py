@@ -211,7 +211,8 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
                  H, L, OUT_STRIDE, N, NREQ, MB, BT_STRIDE, NB_CACHE, LBS, PAGE_STRIDE, NCAND, LCBS, W_STRIDE,
                  HP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr,
                  HAS_REQ: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 IDX_LOAD: tl.constexpr, DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
+                 IDX_LOAD: tl.constexpr, PACK_IDS: tl.constexpr, DOT_SCALED: tl.constexpr,
+                 USE_ASM: tl.constexpr):
     """Program (row, chunk): columns ``[chunk * COLS, (chunk + 1) * COLS)``, ``COLS = TILES * BLOCK_N``, of one
     query row.
 
@@ -220,7 +221,9 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     Block sizes are powers of two passed as ``LBS = log2(block_size)``, ``LCBS = log2(cbs)``: the per-column
     index math is shifts and masks (a division by a runtime int costs ~20 instructions per element).
     ``IDX_LOAD``: each tile loads its candidate / page ids itself (no shared-memory gathers and their
-    barriers) instead of gathering them from vectors loaded once per program.
+    barriers) instead of gathering them from vectors loaded once per program. ``PACK_IDS`` (sparse, without
+    ``IDX_LOAD``): one gather per tile of (page << 32 | block id), the block id -1 where the slot is invalid,
+    instead of three gathers (block id, validity, page).
     """
     BS = 1 << LBS
     CBS = 1 << LCBS
@@ -286,6 +289,10 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
             bval = (blkv >= 0) & (blkv < nblk)
             if PAGED:
                 pagev = tl.load(bt_row + tl.where(bval, (blkv << LCBS) >> LBS, 0), mask=bval, other=-1)
+            if PACK_IDS:
+                blkv = tl.where(bval, blkv, -1)
+                if PAGED:
+                    pkv = (pagev.to(tl.int64) << 32) | (blkv.to(tl.int64) & 0xFFFFFFFF)
     else:
         if PAGED and not IDX_LOAD:
             NPG: tl.constexpr = TILES * BLOCK_N // 8  # >= pages a chunk can touch (block_size >= 16)
@@ -300,6 +307,15 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
                 slot = cols >> LCBS
                 blk = tl.load(cand_row + slot, mask=cmask & (slot < NCAND), other=-1)
                 valid = cmask & (blk >= 0) & (blk < nblk)
+            elif PACK_IDS:
+                li = tl.minimum((cols - c_lo) >> LCBS, NS - 1)
+                if PAGED:
+                    pk = tl.gather(pkv, li, 0)
+                    blk = pk.to(tl.int32)  # the low half: the block id, -1 if invalid
+                    page = (pk >> 32).to(tl.int32)
+                else:
+                    blk = tl.gather(blkv, li, 0)
+                valid = cmask & (blk >= 0)
             else:
                 li = tl.minimum((cols - c_lo) >> LCBS, NS - 1)
                 blk = tl.gather(blkv, li, 0)
@@ -309,7 +325,7 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
             if PAGED:
                 if IDX_LOAD:
                     page = tl.load(bt_row + (pos >> LBS), mask=valid, other=-1)
-                else:
+                elif not PACK_IDS:
                     page = tl.gather(pagev, li, 0)
         else:
             pos = cols
@@ -585,16 +601,16 @@ CONFIG_OVERRIDES: dict = {}
 _ROW_TILES = 16
 
 
-_ROW_DEFAULT = (64, 4, 3, _ROW_TILES, False)
+_ROW_DEFAULT = (64, 4, 3, _ROW_TILES, False, False)
 # FP8 dense decode and FP8 sparse prefill: 128-token tiles whose ids are loaded per tile measured 7-9% faster
 # on the H200 (724 vs 777 us, 2321 vs 2540 us; benchmarks/NOTES.md, v3); paged sparse decode and MXFP4 were
 # slower that way (148 vs 110 us), so they keep the default.
-_ROW_WIDE = (128, 4, 3, _ROW_TILES, True)
+_ROW_WIDE = (128, 4, 3, _ROW_TILES, True, False)
 
 
 def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True):
-    """(BLOCK_N, warps, stages, tiles per program, per-tile index loads) of the row kernel; an override
-    may stop after any leading prefix of that tuple (the rest come from the default)."""
+    """(BLOCK_N, warps, stages, tiles per program, per-tile index loads, packed ids) of the row kernel; an
+    override may stop after any leading prefix of that tuple (the rest come from the default)."""
     if "rows" in CONFIG_OVERRIDES:
         cfg = tuple(CONFIG_OVERRIDES["rows"])
         return cfg + _ROW_DEFAULT[len(cfg):]
@@ -632,7 +648,7 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
     if R == 0 or L == 0:
         return
     HP = _heads_pad(H)
-    block_n, warps, stages, tiles, idx_load = _rows_config(HP, fp4, paged, sparse)
+    block_n, warps, stages, tiles, idx_load, pack_ids = _rows_config(HP, fp4, paged, sparse)
     grid = (R, triton.cdiv(L, tiles * block_n))
     dummy = context_lens if paged else ks
     if paged:
@@ -655,7 +671,7 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
         H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, _log2(block_size), page_stride, ncand,
         _log2(cbs), weights.stride(0),
         HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
-        BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load,
+        BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load, PACK_IDS=pack_ids and sparse,
         DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, num_warps=warps)
 
 
