@@ -612,28 +612,36 @@ def _decode_case(name, device, c, sparse, data):
     # Selections on these very logits, then the end-to-end op (same scores: the selection must agree).
     lens_t = n_eff.clamp(max=BIG).to(torch.int32).to(device)
     f32 = _f32_logits(op, base + extra, logits)
+    _check_selections_and_end_to_end("decode", name, device, c, sparse, base, extra, logits, f32, lens_t, k,
+                                      nbk, L, R, small_ws, ctx)
+
+
+def _check_selections_and_end_to_end(kind, name, device, c, sparse, base, extra, logits, f32, lens_t, k, nbk, L,
+                                     rows, small_ws, ctx):
+    """Selections on the scoring op's logits (and on their float32 form), then the end-to-end op of ``kind``
+    ("decode" / "prefill"), which selects from the same scores and so must agree with them."""
     if not sparse:
         _check_selection(name, device, "topk", logits, lens_t, k, k)
         _check_selection(name, device, "block_topk", logits, lens_t, c.cbs, nbk)
         sel = _check_selection(name, device, "topk", f32, lens_t, k, k)
         blocks = _check_selection(name, device, "block_topk", f32, lens_t, c.cbs, nbk)
-        ws = _ws(R, L, device, small_ws)
-        idx = torch.full((R, k), 55, dtype=torch.int32, device=device)
-        cbo = torch.full((R, nbk), 55, dtype=torch.int32, device=device)
-        e2e = (*base, L, k, c.cbs, ws, idx, cbo)
-        _note_backend(name, device, "indexer_decode", *e2e)
-        ops.indexer_decode(*e2e)
-        _e2e_agrees(name, device, "indexer_decode", e2e, idx.cpu().tolist(), sel, ctx)
-        _e2e_agrees(name, device, "indexer_decode", e2e, cbo.cpu().tolist(), blocks, ctx)
+        op = f"indexer_{kind}"
+        idx = torch.full((rows, k), 55, dtype=torch.int32, device=device)
+        cbo = torch.full((rows, nbk), 55, dtype=torch.int32, device=device)
+        e2e = (*base, L, k, c.cbs, _ws(rows, L, device, small_ws), idx, cbo)
+        _note_backend(name, device, op, *e2e)
+        getattr(ops, op)(*e2e)
+        _e2e_agrees(name, device, op, e2e, idx.cpu().tolist(), sel, ctx)
+        _e2e_agrees(name, device, op, e2e, cbo.cpu().tolist(), blocks, ctx)
     else:
         _check_selection(name, device, "sparse_topk", logits, extra[0], c.cbs, lens_t, k, k)
         sel = _check_selection(name, device, "sparse_topk", f32, extra[0], c.cbs, lens_t, k, k)
-        ws = _ws(R, L, device, small_ws)
-        idx = torch.full((R, k), 55, dtype=torch.int32, device=device)
-        e2e = (*base, extra[0], c.cbs, k, ws, idx)
-        _note_backend(name, device, "sparse_indexer_decode", *e2e)
-        ops.sparse_indexer_decode(*e2e)
-        _e2e_agrees(name, device, "sparse_indexer_decode", e2e, idx.cpu().tolist(), sel, ctx)
+        op = f"sparse_indexer_{kind}"
+        idx = torch.full((rows, k), 55, dtype=torch.int32, device=device)
+        e2e = (*base, extra[0], c.cbs, k, _ws(rows, L, device, small_ws), idx)
+        _note_backend(name, device, op, *e2e)
+        getattr(ops, op)(*e2e)
+        _e2e_agrees(name, device, op, e2e, idx.cpu().tolist(), sel, ctx)
 
 
 def _f32_logits(op, args, logits):
@@ -845,28 +853,8 @@ def _prefill_case(name, device, c, sparse, data):
 
     lens_t = n_eff.to(torch.int32).to(device)
     f32 = _f32_logits(op, base + extra, logits)
-    if not sparse:
-        _check_selection(name, device, "topk", logits, lens_t, k, k)
-        _check_selection(name, device, "block_topk", logits, lens_t, c.cbs, nbk)
-        sel = _check_selection(name, device, "topk", f32, lens_t, k, k)
-        blocks = _check_selection(name, device, "block_topk", f32, lens_t, c.cbs, nbk)
-        ws = _ws(T, L, device, small_ws)
-        idx = torch.full((T, k), 55, dtype=torch.int32, device=device)
-        cbo = torch.full((T, nbk), 55, dtype=torch.int32, device=device)
-        e2e = (*base, L, k, c.cbs, ws, idx, cbo)
-        _note_backend(name, device, "indexer_prefill", *e2e)
-        ops.indexer_prefill(*e2e)
-        _e2e_agrees(name, device, "indexer_prefill", e2e, idx.cpu().tolist(), sel, ctx)
-        _e2e_agrees(name, device, "indexer_prefill", e2e, cbo.cpu().tolist(), blocks, ctx)
-    else:
-        _check_selection(name, device, "sparse_topk", logits, extra[0], c.cbs, lens_t, k, k)
-        sel = _check_selection(name, device, "sparse_topk", f32, extra[0], c.cbs, lens_t, k, k)
-        ws = _ws(T, L, device, small_ws)
-        idx = torch.full((T, k), 55, dtype=torch.int32, device=device)
-        e2e = (*base, extra[0], c.cbs, k, ws, idx)
-        _note_backend(name, device, "sparse_indexer_prefill", *e2e)
-        ops.sparse_indexer_prefill(*e2e)
-        _e2e_agrees(name, device, "sparse_indexer_prefill", e2e, idx.cpu().tolist(), sel, ctx)
+    _check_selections_and_end_to_end("prefill", name, device, c, sparse, base, extra, logits, f32, lens_t, k,
+                                      nbk, L, T, small_ws, ctx)
 
 
 # ----------------------------------------------------------------------------------------------------
