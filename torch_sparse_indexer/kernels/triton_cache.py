@@ -17,25 +17,26 @@ import triton.language as tl
 from .. import backends, formats
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_TOK = 64  # tokens (or query-head rows) per program (write, quantize)
-_GTOK = 32  # rows per program (gather); 128 measured slower on the H200 (NOTES.md)
+_TOK = 64  # tokens (or query-head rows) per program (write, quantize; 128 was slower for MXFP4 writes)
+_GTOK = 128  # rows per program (gather)
 
-# Benchmarks may override launches: {"write": see _write_config, "gather": (rows per program, request chunk or
-# None)}. ``None``
-# sizes the request chunk from the batch (next power of two of num_reqs + 1, 2..128): the per-row request
-# search compares each row with a whole chunk, so a 128-wide chunk for one request is ~60x the work the copy
-# needs. Not the default until measured on the H200.
+# Benchmarks may override launches: {"write": see _write_config, "gather": see _gather_config}. The defaults
+# are the fastest byte-equal configurations measured on the H200 (benchmarks/NOTES.md, cache v2).
 CONFIG_OVERRIDES: dict = {}
 
 
 def _write_config():
-    """(tokens per program, integer e4m3 rounding): ``False`` uses triton's fp8 cast (the hardware
-    conversion), which must first be shown byte-equal to the reference on the H200 (NOTES.md)."""
-    return CONFIG_OVERRIDES.get("write", (_TOK, True))
+    """(tokens per program, integer e4m3 rounding). On the GPU the e4m3 bytes come from triton's fp8 cast (the
+    hardware's round-to-nearest-even conversion: 206 -> 129 us for 1M tokens, bytes equal to the reference's
+    there; quantize_q uses it too); the integer rounding serves the interpreter, whose cast does not round."""
+    return CONFIG_OVERRIDES.get("write", (_TOK, _INTERPRET))
 
 
 def _gather_config(R: int):
-    tok, rc = CONFIG_OVERRIDES.get("gather", (_GTOK, 128))
+    """(rows per program, request chunk). ``None`` (the default) sizes the chunk from the batch: the next
+    power of two of num_reqs + 1, 2..128. Each row's request search compares the row with a whole chunk, so a
+    fixed 128-wide chunk for one request was ~60x the work of the copy (195 -> 75 us for 1M FP8 tokens)."""
+    tok, rc = CONFIG_OVERRIDES.get("gather", (_GTOK, None))
     if rc is None:
         rc = min(128, max(2, triton.next_power_of_2(R + 1)))
     return tok, rc
@@ -263,7 +264,7 @@ def quantize_q(q, weights, fmt, weight_scale):
         w = weights if weights.stride(-1) == 1 or weights.shape[-1] <= 1 else weights.contiguous()
         _quantize_q_kernel[(triton.cdiv(M, _TOK),)](qc, w, qv, qs if fp4 else wo, wo, M, H,
                                                     w.stride(0) if w.dim() == 2 else H, float(weight_scale),
-                                                    D=D, FP4=fp4, TOK=_TOK, SOFT_FP8=True, num_warps=4)
+                                                    D=D, FP4=fp4, TOK=_TOK, SOFT_FP8=_INTERPRET, num_warps=4)
     if not fp4:
         qv = qv.view(formats.FP8_DTYPE)
     return qv, qs, wo

@@ -470,7 +470,9 @@ def _prefill_pair_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, can
     i = tl.arange(0, MQ)
     qr = tl.minimum(r0 + i // HP, NQ - 1)
     hh = i % HP
-    qmask = (hh < H) & ((i < HP) | has1)
+    # Row r0 + i // HP exists (the second row only when has1); compared per element, not through the scalar
+    # has1, whose broadcast the interpreter turns into an integer mask.
+    qmask = (hh < H) & (r0 + i // HP < NQ)
     qidx = qr.to(tl.int64) * H + hh
     q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
         q_ptr, qs_ptr, qidx * VB, qidx, qmask, MQ, D, FP4, DOT_SCALED, USE_ASM)
@@ -523,7 +525,7 @@ def _prefill_pair_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, can
 
     # Phase 2: row 1's slots not written by phase 1, compacted. Slot i of row 1 was written iff its block is
     # found in row 0 at j = lower_bound and row 0's block j maps back to slot i.
-    simask = has1 & (si < NCAND)
+    simask = si < tl.where(has1, NCAND, 0)  # (not has1 & ...: see qmask)
     b1v = tl.load(c1_row + si, mask=simask, other=-1)
     j0 = _lower_bound(c0_row, tl.where(b1v < 0, 2147483647, b1v), NCAND, LOG2)
     b0 = tl.load(c0_row + tl.minimum(j0, NCAND - 1), mask=simask, other=-1)
@@ -606,6 +608,10 @@ _ROW_DEFAULT = (64, 4, 3, _ROW_TILES, False, False)
 # on the H200 (724 vs 777 us, 2321 vs 2540 us; benchmarks/NOTES.md, v3); paged sparse decode and MXFP4 were
 # slower that way (148 vs 110 us), so they keep the default.
 _ROW_WIDE = (128, 4, 3, _ROW_TILES, True, False)
+# Paged sparse decode: ids packed into one shared-memory gather per tile (14 barriers per program instead of
+# 38) measured 110 -> 98 us (FP8, 128-token tiles) and 186 -> 172 us (MXFP4, 32 tiles) on the H200
+# (benchmarks/NOTES.md, v4).
+_ROW_SPARSE_DECODE = {False: (128, 4, 3, _ROW_TILES, False, True), True: (64, 4, 3, 2 * _ROW_TILES, False, True)}
 
 
 def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True):
@@ -614,6 +620,8 @@ def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True):
     if "rows" in CONFIG_OVERRIDES:
         cfg = tuple(CONFIG_OVERRIDES["rows"])
         return cfg + _ROW_DEFAULT[len(cfg):]
+    if paged and sparse:
+        return _ROW_SPARSE_DECODE[fp4]
     if not fp4 and paged != sparse:
         return _ROW_WIDE
     return _ROW_DEFAULT
