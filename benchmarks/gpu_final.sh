@@ -3,9 +3,9 @@
 #   tests    every GPU-marked test file (Triton scoring/cache, CUDA top-k, DeepGEMM, capture, replay,
 #            determinism, bad-input matrix, fuzz gpu profile, ...), one timeout per file
 #   example  examples/two_level_indexer.py on the GPU (compiled + CUDA graphs, checked against the reference)
-#   stress   tests/test_replay_stress_gpu.py in script mode (TSI_STRESS_REPLAYS, default 10000)
 #   bench    benchmarks/bench.py suites named in SUITES (default "scoring topk deepgemm")
-#   sanitize scripts/sanitize.sh (compute-sanitizer memcheck/racecheck/initcheck/synccheck)
+#   stress   tests/test_replay_stress_gpu.py in script mode (TSI_STRESS_REPLAYS, default 10000; cut at BUDGET)
+#   sanitize scripts/sanitize.sh (compute-sanitizer memcheck/racecheck/initcheck/synccheck; SAN_TOOLS picks)
 # DeepGEMM 2.8.2 is built in the background when .deps/deepgemm is carried (SKIP_DEEPGEMM=1 skips it) and
 # joined before the first part that uses it. Everything is logged under $OUT and packed into $OUT/logs.tgz
 # (at most 8 files come back from the device machine). Usage on the GPU machine, from the repo root:
@@ -84,11 +84,6 @@ if [[ $PARTS == *,example,* ]]; then
   rc=$?
   el "example rc=$rc $(tail -n 2 "$L/example.log" | tr '\n' ' ')"
 fi
-if [[ $PARTS == *,stress,* ]]; then
-  TSI_STRESS_REPLAYS=${TSI_STRESS_REPLAYS:-10000} timeout 240 python3 tests/test_replay_stress_gpu.py \
-    > "$L/replay_stress.log" 2>&1
-  el "replay stress rc=$? $(grep 'replay stress' "$L/replay_stress.log" | tail -n 3 | tr '\n' ' ')"
-fi
 if [[ $PARTS == *,bench,* ]]; then
   for s in ${SUITES:-scoring topk deepgemm}; do
     [ "$s" = deepgemm ] && join_dg
@@ -97,8 +92,15 @@ if [[ $PARTS == *,bench,* ]]; then
     el "bench $s rc=$?"
   done
 fi
+if [[ $PARTS == *,stress,* ]]; then
+  st=$(( $(left) - 10 )); [ "$st" -gt 240 ] && st=240
+  TSI_STRESS_REPLAYS=${TSI_STRESS_REPLAYS:-10000} timeout "$st" python3 tests/test_replay_stress_gpu.py \
+    > "$L/replay_stress.log" 2>&1
+  el "replay stress rc=$? $(grep 'replay stress' "$L/replay_stress.log" | tail -n 3 | tr '\n' ' ')"
+fi
 if [[ $PARTS == *,sanitize,* ]]; then
-  SAN_TOOL_S=${SAN_TOOL_S:-110} timeout $(( $(left) - 10 )) bash scripts/sanitize.sh > "$L/sanitize.log" 2>&1
+  OUT="$L" SAN_TOOL_S=${SAN_TOOL_S:-110} timeout $(( $(left) - 10 )) bash scripts/sanitize.sh ${SAN_TOOLS:-} \
+    > "$L/sanitize.log" 2>&1
   el "sanitize rc=$?"
   sed -n '/== sanitize summary/,$p' "$L/sanitize.log" | tee -a "$L/summary.txt"
 fi

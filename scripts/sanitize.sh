@@ -64,7 +64,10 @@ for tool in $TOOLS; do
     --print-limit 20 --error-exitcode 3 $extra python3 scripts/sanitize_driver.py $DRIVER_ARGS $strict > "$log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - s0 ))
-  errs=$(grep -Eo "ERROR SUMMARY: [0-9]+ error" "$log" | tail -n 1 | grep -Eo "[0-9]+")
+  # memcheck/initcheck/synccheck end with "ERROR SUMMARY: N errors", racecheck with
+  # "RACECHECK SUMMARY: M hazards displayed (N errors, W warnings)".
+  errs=$(grep -Eo "ERROR SUMMARY: [0-9]+ error|RACECHECK SUMMARY: .*\([0-9]+ error" "$log" | tail -n 1 |
+         grep -Eo "[0-9]+ error" | grep -Eo "[0-9]+")
   if [ "$rc" = 0 ] && [ "${errs:-x}" = 0 ] && grep -q "DRIVER OK" "$log"; then
     verdict=PASS
   else

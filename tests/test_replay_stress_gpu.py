@@ -244,7 +244,23 @@ def _bits(t):
     return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def stress(step: Step, replays: int, check_every: int = 100, log=print):
+def _compare_with_eager(step: Step, snap, i: int):
+    """Runs the step eagerly from ``snap`` (the state before replay ``i``), requires every mutable tensor to
+    equal the replay's bit for bit, and leaves the replayed state in place."""
+    if torch.device(step.dev).type == "cuda":
+        torch.cuda.synchronize()
+    replayed = [t.clone() for t in step.mutable()]
+    step.restore(snap)
+    step.run()  # eager, same state, same inputs
+    for j, (a, b) in enumerate(zip(replayed, step.mutable())):
+        if not torch.equal(_bits(a), _bits(b)):
+            n = int((_bits(a) != _bits(b)).sum())
+            raise AssertionError(f"replay {i}: mutable tensor {j} differs from eager ({n} bytes)")
+    for t, r in zip(step.mutable(), replayed):  # continue from the replayed state
+        t.copy_(r)
+
+
+def stress(step: Step, replays: int, check_every: int = 100, log=None):
     """Capture ``step.run`` once (CUDA) and replay it ``replays`` times with fresh batches; every
     ``check_every`` replays compare with an eager run on the same state. Returns a summary dict."""
     cuda = step.dev != "cpu" and torch.device(step.dev).type == "cuda"
@@ -266,6 +282,8 @@ def stress(step: Step, replays: int, check_every: int = 100, log=print):
     checks, rows_total, t0 = 0, 0, time.time()
     for i in range(1, replays + 1):
         rows_total += step.refill()
+        if log is not None and i % 2500 == 0:
+            log(f"  {i} replays, {time.time() - t0:.1f} s", flush=True)
         check = i % check_every == 0 or i == replays
         if check:
             snap = step.snapshot()
@@ -274,18 +292,8 @@ def stress(step: Step, replays: int, check_every: int = 100, log=print):
         else:
             step.run()
         if check:
-            if cuda:
-                torch.cuda.synchronize()
-            replayed = [t.clone() for t in step.mutable()]
-            step.restore(snap)
-            step.run()  # eager, same state, same inputs
-            for j, (a, b) in enumerate(zip(replayed, step.mutable())):
-                if not torch.equal(_bits(a), _bits(b)):
-                    n = int((_bits(a) != _bits(b)).sum())
-                    raise AssertionError(f"replay {i}: mutable tensor {j} differs from eager ({n} bytes)")
-            for t, r in zip(step.mutable(), replayed):  # continue from the replayed state
-                t.copy_(r)
-            del snap, replayed
+            _compare_with_eager(step, snap, i)
+            del snap  # the eager run's temporaries died with the helper's frame
             checks += 1
             if cuda:
                 torch.cuda.synchronize()
@@ -326,7 +334,7 @@ def main():
             extra = {} if dev == "cuda" else (dict(rows=12, nreq=4, max_blocks=6) if kind == "decode" else
                                               dict(tokens=24, keys=200, nreq=3, max_blocks=6))
             try:
-                res = stress(STEPS[kind](dev, fmt, **kw, **extra), n, every)
+                res = stress(STEPS[kind](dev, fmt, **kw, **extra), n, every, log=print)
                 print(f"replay stress {kind} {fmt}: PASS ({res['replays']} replays, {res['checks']} eager checks, "
                       f"{res['rows']} live rows, {res['seconds']:.1f} s)", flush=True)
             except Exception as e:  # noqa: BLE001
