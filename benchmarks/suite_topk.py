@@ -74,8 +74,23 @@ def _topk_case(R, W, k, dtype, gen):
     ours()
     check = _check(None, lambda e, r: reference.topk(x[:r], lens[:r], k, e), out)
     shape = f"{R}x{W // 1024}K" + ("" if dtype == torch.float32 else " bf16")
-    return _rows("topk", shape, k, x, ours, lambda: torch.topk(_mask(x, lens), k, dim=1),
+    rows = _rows("topk", shape, k, x, ours, lambda: torch.topk(_mask(x, lens), k, dim=1),
                  lambda: torch.topk(x, k, dim=1), check)
+    t = ct.tuning()
+    if t["smem_keys"] < W <= t["cluster_max"] * t["smem_keys"]:  # the same rows on each path
+        cuda = rows[0]
+        for mode, impl in (("always", "cuda cluster"), ("off", "cuda one-CTA")):
+            prev = ct.set_cluster_mode(mode)
+            try:
+                ours()
+                chk = _check(None, lambda e, r: reference.topk(x[:r], lens[:r], k, e), out)
+                t_alt = common.time_us(ours)
+            finally:
+                ct.set_cluster_mode(prev)
+            rows.append(common.record(op="topk", shape=shape, k=k, floor_us=cuda["floor_us"], impl=impl,
+                                      time_us=t_alt, x_read=t_alt / cuda["time_us"] * cuda["x_read"],
+                                      x_torch=cuda["x_torch"] * cuda["time_us"] / t_alt, check=chk))
+    return rows
 
 
 def _sparse_case(R, nb, cbs, k, gen):
@@ -123,8 +138,8 @@ def run(args) -> list[dict]:
     for k in ((2048,) if TARGETS_ONLY else (512, 1024, 2048)):
         rows += _topk_case(128, K128, k, torch.float32, gen)
     if not q and not TARGETS_ONLY:
-        rows += _topk_case(1, K128, 2048, torch.float32, gen)
-        rows += _topk_case(64, K128, 2048, torch.float32, gen)
+        for R in (1, 8, 32, 64):  # small decode batches: the cluster kernel's range
+            rows += _topk_case(R, K128, 2048, torch.float32, gen)
         rows += _topk_case(64, 1 << 20, 2048, torch.float32, gen)
     R = 512 if q else 4096
     rows += _topk_case(R, 16384, 2048, torch.float32, gen)

@@ -2,13 +2,15 @@
 // every torch version (the Python side passes tensor.data_ptr() and the current stream). Every
 // function returns a cudaError_t code (0 = success); nothing synchronizes and nothing allocates, so
 // the launches can be captured in CUDA graphs. The launch configuration depends only on the shapes.
+#include <cstddef>
+
 #include "topk_kernels.cuh"
 
 namespace {
 
 using tsi::Params;
 
-constexpr int kVersion = 1;
+constexpr int kVersion = 2;
 
 int log2_exact(int v) {
   int l = 0;
@@ -68,6 +70,60 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
   return launch_variant<Src, 1>(p, stream, dev);
 }
 
+// Cluster mode for dense rows (topk_cluster_kernel): 0 = never, 1 = auto (default), 2 = for every width it
+// covers (see tsi_topk_set_cluster_mode).
+int g_cluster_mode = 1;
+
+// Cluster size and slice width for `rows` dense rows of `width` columns; C = 0 for the one-CTA kernel.
+// Auto: clusters while all of them fit in one wave (two CTAs per SM). Measured on the H200 (NOTES.md):
+// 1 x 128K 75 -> 25 us, but 64 x 128K 78 -> 83 us and 128 x 128K 79 -> 143 us, where a slice's
+// shared-memory passes and cluster barriers cost more than the one-CTA kernel's second read.
+void cluster_shape(int rows, int width, int dev, int* C, int* S) {
+  *C = 0;
+  *S = 0;
+  if (g_cluster_mode == 0 || width <= tsi::SMEM_KEYS || width > tsi::CLUSTER_MAX * tsi::SMEM_KEYS) return;
+  const int c = (width + tsi::SMEM_KEYS - 1) / tsi::SMEM_KEYS;
+  if (g_cluster_mode == 1 && (long long)rows * c > 2LL * sm_count(dev)) return;
+  *C = c;
+  *S = (((width + c - 1) / c) + 15) & ~15;  // <= SMEM_KEYS (a multiple of 16)
+}
+
+template <typename T>
+cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int C, int S) {
+  const int smem = (int)(offsetof(tsi::Smem, region) + (size_t)(S + tsi::NBINS) * 4);
+#ifndef TSI_EMULATE
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+  static bool done[64] = {false};
+  if (!done[dev]) {
+    const int most = (int)(offsetof(tsi::Smem, region) + (size_t)(tsi::SMEM_KEYS + tsi::NBINS) * 4);
+    e = cudaFuncSetAttribute(tsi::topk_cluster_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+    if (e != cudaSuccess) return e;
+    done[dev] = true;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)(p.rows * C), 1, 1);
+  cfg.blockDim = dim3(tsi::THREADS, 1, 1);
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)C;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  e = cudaLaunchKernelEx(&cfg, tsi::topk_cluster_kernel<T>, p, S, C);
+  return e != cudaSuccess ? e : cudaGetLastError();
+#else
+  (void)stream;
+  tsi_emu::launch_cluster(p.rows * C, C, tsi::THREADS, smem, [p, S, C]() { tsi::topk_cluster_kernel<T>(p, S, C); });
+  return cudaSuccess;
+#endif
+}
+
 bool aligned16(const void* ptr, long long stride, int esize) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0 && ((stride * esize) & 15) == 0;
 }
@@ -102,8 +158,28 @@ int tsi_topk(const void* logits, long long row_stride, int rows, int width, int 
   p.out = out;
   p.kk = k;
   auto s = reinterpret_cast<cudaStream_t>(stream);
+  int dev = 0;
+#ifndef TSI_EMULATE
+  if (rows > 0 && cudaGetDevice(&dev) != cudaSuccess) return cudaErrorInvalidDevice;
+  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+#endif
+  int C, S;
+  cluster_shape(rows, width, dev, &C, &S);
+  if (C > 0 && rows > 0)
+    return dtype == 0 ? launch_cluster<float>(p, s, C, S) : launch_cluster<tsi::bf16_tag>(p, s, C, S);
   return dtype == 0 ? launch<tsi::DenseSrc<float>>(p, s) : launch<tsi::DenseSrc<tsi::bf16_tag>>(p, s);
 }
+
+// Cluster mode of tsi_topk (dense rows of smem_keys < width <= cluster_max * smem_keys columns, one
+// read of the row by a cluster of CTAs): 0 = off (one CTA per row, the row read twice), 1 = auto (the
+// default: clusters when rows * cluster size <= 2 * SMs), 2 = always. Returns the previous mode; a value
+// outside 0..2 only queries. For benchmarks and tests; not thread-safe against launches.
+int tsi_topk_set_cluster_mode(int mode) {
+  const int prev = g_cluster_mode;
+  if (mode >= 0 && mode <= 2) g_cluster_mode = mode;
+  return prev;
+}
+int tsi_topk_cluster_max() { return tsi::CLUSTER_MAX; }
 
 // sparse_topk over logits [rows, nblk * cbs]: column c is position blocks[r, c / cbs] * cbs + c % cbs,
 // valid when that block id is >= 0 and the position < lengths[r]. out: int32 [rows, k].

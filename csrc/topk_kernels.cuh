@@ -1,8 +1,9 @@
 // Exact, deterministic per-row top-k selection: topk, sparse_topk, block_topk.
 //
-// One CTA per row. Every score is mapped to an order-preserving uint32 key (fp32 bits; bf16 widened
-// exactly), NaN mapped to 1 (below -inf), 0 meaning "not an element". Selection = the r best elements
-// by (key descending, element index ascending); output = their positions in index order, -1 padded.
+// One CTA per row (or one cluster, below). Every score is mapped to an order-preserving uint32 key
+// (fp32 bits; bf16 widened exactly), NaN mapped to 1 (below -inf), 0 meaning "not an element". Selection =
+// the r best elements by (key descending, element index ascending); output = their positions in index
+// order, -1 padded.
 //
 // Per row, chosen on the device from the row's length:
 //  * SMEM mode (at most SMEM_KEYS elements): one read of the row writes every key to shared memory
@@ -14,6 +15,8 @@
 //    sorted lists are merged into the output. When the threshold bin holds more than CAND_CAP
 //    elements the buffer is never trusted: the row is rescanned from global memory, filtered by the
 //    fixed key prefix, until the key is exact, and a final ordered pass writes the output.
+//  * CLUSTER mode (dense topk rows of SMEM_KEYS < width <= CLUSTER_MAX * SMEM_KEYS, chosen on the host
+//    from the width): a cluster of CTAs splits the row into shared-memory slices (topk_cluster_kernel).
 // Ties at the threshold key go to the lowest indices through block-wide prefix counts in index order
 // (never through atomics order), so results are bitwise reproducible.
 #pragma once
@@ -21,9 +24,18 @@
 #ifdef TSI_EMULATE
 #include "emu/cuda_emu.h"
 #else
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #define TSI_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+// Thread-block clusters (SM90+): rank in the cluster, cluster-wide barrier (with release/acquire of
+// shared memory), and a pointer to the same shared-memory object in another CTA of the cluster.
+__device__ __forceinline__ unsigned tsi_cluster_rank() { return cooperative_groups::this_cluster().block_rank(); }
+__device__ __forceinline__ void tsi_cluster_sync() { cooperative_groups::this_cluster().sync(); }
+template <class T>
+__device__ __forceinline__ T* tsi_cluster_map(T* p, unsigned rank) {
+  return cooperative_groups::this_cluster().map_shared_rank(p, rank);
+}
 #endif
 
 #ifndef TSI_THREADS
@@ -145,8 +157,8 @@ struct Chunks {
   int h;
   int ncols;
   int nchunks;
-  __device__ void init(const Params& p, int r, int ncols_) {
-    row = static_cast<const char*>(p.logits) + (long long)r * p.row_stride * DT<T>::SIZE;
+  __device__ void init(const Params& p, int r, int ncols_, int col_off = 0) {
+    row = static_cast<const char*>(p.logits) + ((long long)r * p.row_stride + col_off) * DT<T>::SIZE;
     uintptr_t a = reinterpret_cast<uintptr_t>(row);
     h = (int)((a & 15u) / DT<T>::SIZE);
     abase = row - h * DT<T>::SIZE;
@@ -173,12 +185,22 @@ struct DenseSrc {
   static constexpr int KIND = DENSE;
   static constexpr int E = DT<T>::V;
   Chunks<T> ch;
-  int m;  // element indices [0, m)
+  int m;        // element indices [0, m)
+  int off = 0;  // position of element 0 (a cluster CTA's slice of the row starts at off)
+  __device__ static int valid(const Params& p, int r) {
+    const int len = p.lengths[r];
+    return len < 0 ? 0 : (len > p.width ? p.width : len);
+  }
   __device__ DenseSrc(const Params& p, int r) {
-    int len = p.lengths[r];
-    int n = len < 0 ? 0 : (len > p.width ? p.width : len);
-    m = n;
-    ch.init(p, r, n);
+    m = valid(p, r);
+    ch.init(p, r, m);
+  }
+  // Slice q of S columns: positions [q * S, min((q + 1) * S, n)).
+  __device__ DenseSrc(const Params& p, int r, int q, int S) {
+    const int n = valid(p, r);
+    off = q * S;
+    m = n - off < 0 ? 0 : (n - off > S ? S : n - off);
+    ch.init(p, r, m, off);
   }
   __device__ __forceinline__ int items() const { return ch.nchunks; }
   __device__ __forceinline__ Raw load(int c) const { return ch.load(c); }
@@ -191,7 +213,7 @@ struct DenseSrc {
     }
   }
   __device__ __forceinline__ int index(int c, int j) const { return c * E - ch.h + j; }
-  __device__ __forceinline__ int pos(int i) const { return i; }
+  __device__ __forceinline__ int pos(int i) const { return off + i; }
 };
 
 template <typename T>
@@ -680,12 +702,11 @@ __device__ void final_global(Smem& sm, int& par, const Src& src, const Thresh& t
   });
 }
 
+// One read of the row: every key to K[0, m) in shared memory, the coarse histogram to sm.hist (and
+// ctl[4] = 0). Ends with a barrier.
 template <int U, class Src>
-__device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
-  uint32_t* K = sm.region;
-  uint32_t* candK = sm.region + SMEM_KEYS;
+__device__ void keys_to_smem(Smem& sm, const Src& src, uint32_t* K) {
   const int m = src.m;
-  int par = 0;
   clear_hist(sm);
   if (threadIdx.x == 0) sm.ctl[4] = 0u;
   __syncthreads();
@@ -704,6 +725,15 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
     }
   });
   __syncthreads();
+}
+
+template <int U, class Src>
+__device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
+  uint32_t* K = sm.region;
+  uint32_t* candK = sm.region + SMEM_KEYS;
+  const int m = src.m;
+  int par = 0;
+  keys_to_smem<U>(sm, src, K);
   find_bin<NBINS>(sm, (uint32_t)kk);
   const uint32_t total = sm.ctl[3];
   Thresh t;
@@ -911,6 +941,93 @@ __device__ void sort_positions_if_unordered(Smem& sm, int* out, int kk) {
     }
   }
   for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = v[i] == 0xffffffffu ? -1 : (int)v[i];
+}
+
+// ------------------------------------------------------------------------------------------------
+// Cluster mode: dense rows of SMEM_KEYS < width <= CLUSTER_MAX * SMEM_KEYS columns. The C CTAs of a
+// cluster each hold one slice of S columns of the row in shared memory (so the row is read once, by C
+// SMs instead of one); at every refinement level the slices' histograms are summed through distributed
+// shared memory, so every CTA resolves the same threshold; then each CTA writes its slice's winners at
+// the offset the slices before it take (ties to the lowest positions: a slice takes the ties the slices
+// before it left). Dynamic shared memory: the Smem header, K[S], and a histogram sum buffer.
+// ------------------------------------------------------------------------------------------------
+
+constexpr int CLUSTER_MAX = 8;  // the portable cluster size
+
+// Makes sm.hist the sum of the cluster's histograms (gsum: NBINS words of scratch). Every CTA of the
+// cluster must call it; it starts and ends with barriers, and no CTA touches its own histogram before
+// every CTA has finished reading it.
+__device__ void cluster_hist_sum(Smem& sm, uint32_t* gsum, int C) {
+  tsi_cluster_sync();
+  for (int b = threadIdx.x; b < NBINS; b += THREADS) {
+    uint32_t v = 0u;
+    for (int q = 0; q < C; ++q) v += tsi_cluster_map(sm.hist, (unsigned)q)[b];
+    gsum[b] = v;
+  }
+  tsi_cluster_sync();
+  for (int b = threadIdx.x; b < NBINS; b += THREADS) sm.hist[b] = gsum[b];
+  __syncthreads();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(THREADS, 2) topk_cluster_kernel(Params p, int S, int C) {
+  using Src = DenseSrc<T>;
+  constexpr int U = TSI_U2 / (Src::E == 8 ? 2 : 1);
+  TSI_DYN_SMEM(smem_raw);
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  const int q = (int)tsi_cluster_rank();
+  const int row = (int)blockIdx.x / C;
+  int* out = p.out + (long long)row * p.kk;
+  const int kk = p.kk;
+  const int n = Src::valid(p, row);
+  if (n <= kk) {  // every valid position, no read needed (the same branch in every CTA of the cluster)
+    if (q == 0)
+      for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < n ? i : -1;
+    return;
+  }
+  Src src(p, row, q, S);
+  uint32_t* K = sm.region;
+  uint32_t* gsum = sm.region + S;
+  keys_to_smem<U>(sm, src, K);
+  cluster_hist_sum(sm, gsum, C);
+  find_bin<NBINS>(sm, (uint32_t)kk);
+  const uint32_t total = sm.ctl[3];
+  Thresh t;
+  t.tkey = 0u;
+  t.need_eq = 0u;
+  if (total > (uint32_t)kk)
+    t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) {
+      smem_hist(sm, K, src.m, L, P);
+      cluster_hist_sum(sm, gsum, C);
+    });
+  // This slice's counts above the threshold and equal to it, published for the other CTAs.
+  uint32_t ngt = 0u, neq = 0u;
+  for (int i = threadIdx.x; i < src.m; i += THREADS) {
+    ngt += is_gt(K[i], t);
+    neq += is_eq(K[i], t);
+  }
+  uint32_t tot;
+  block_excl_scan((ngt << 16) | neq, sm.scan[0], &tot);  // slice counts < 2^16 (S <= SMEM_KEYS)
+  if (threadIdx.x == 0) {
+    sm.ctl[5] = tot >> 16;
+    sm.ctl[6] = tot & 0xffffu;
+  }
+  tsi_cluster_sync();
+  uint32_t base = 0u, eq_before = 0u;
+  Thresh mine = t;
+  for (int r = 0; r < C; ++r) {
+    const uint32_t gt_r = *tsi_cluster_map(&sm.ctl[5], (unsigned)r);
+    const uint32_t eq_r = *tsi_cluster_map(&sm.ctl[6], (unsigned)r);
+    const uint32_t left = t.need_eq > eq_before ? t.need_eq - eq_before : 0u;
+    const uint32_t take = left < eq_r ? left : eq_r;
+    if (r < q) base += gt_r + take;
+    if (r == q) mine.need_eq = take;
+    eq_before += eq_r;
+  }
+  tsi_cluster_sync();  // the last access to another CTA's shared memory: CTAs may exit after this
+  int par = 1;
+  smem_select(sm, par, K, src.m, mine, [&](uint32_t rank, int i) { out[base + rank] = src.pos(i); });
+  if (q == 0) pad_out(out, total < (uint32_t)kk ? (int)total : kk, kk);
 }
 
 // MINB = 1: 128 registers, 4 fp32 tiles of loads in flight per thread (few rows: one CTA per SM must

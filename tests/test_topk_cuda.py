@@ -30,15 +30,34 @@ else:
                   pytest.mark.skipif(not (torch.cuda.is_available() and ct.available()),
                                      reason="needs a CUDA GPU and the built top-k library")]
 
-_T = ct.tuning() or {"smem_keys": 24576, "cand_cap": 8192}
-SMEM_KEYS, CAND_CAP = _T["smem_keys"], _T["cand_cap"]
+_T = ct.tuning() or {"smem_keys": 24576, "cand_cap": 8192, "cluster_max": 8}
+SMEM_KEYS, CAND_CAP, CLUSTER_MAX = _T["smem_keys"], _T["cand_cap"], _T["cluster_max"]
 MAXK = ct.max_k() or 4096
 gpu_only = pytest.mark.skipif(bool(EMU), reason="needs a real GPU")
 
 # Widths: shared-memory rows, just past the shared-memory limit, long streamed rows; odd sizes on purpose.
-W_SMALL, W_SMEM, W_STREAM = 1000, SMEM_KEYS - 1, max(SMEM_KEYS + 3, 131072 + 5 if not EMU else 20003)
+# topk rows of SMEM_KEYS < W <= CLUSTER_MAX * SMEM_KEYS go to the cluster kernel unless cluster mode is off
+# (the `cluster` parameter runs them through the one-CTA streamed path too).
+W_SMALL, W_SMEM = 1000, SMEM_KEYS - 1
+W_STREAM = max(CLUSTER_MAX * SMEM_KEYS + 5, 131072 + 5 if not EMU else 20003)
+W_CLUSTER = 3 * SMEM_KEYS + 7  # four slices, the last one partial
 WIDTHS = [W_SMALL, 4097, W_SMEM, SMEM_KEYS + 3, W_STREAM]
 KS = sorted({min(k, MAXK) for k in (1, 7, 512, 1024, 2048, 4096)})
+
+
+@pytest.fixture(params=["always", "off"], ids=["cluster", "one_cta"])
+def cluster(request):
+    """Runs a topk test with every cluster-width row on the cluster kernel, then with none."""
+    prev = ct.set_cluster_mode(request.param)
+    yield request.param
+    ct.set_cluster_mode(prev)
+
+
+@pytest.fixture
+def cluster_always():
+    prev = ct.set_cluster_mode("always")
+    yield
+    ct.set_cluster_mode(prev)
 
 
 def _sync():
@@ -119,7 +138,7 @@ PATTERNS = ["randn", "all_equal", "signed_zeros", "few_values", "threshold_ties"
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("W", WIDTHS)
 @pytest.mark.parametrize("k", KS)
-def test_topk_random(dtype, W, k, gen):
+def test_topk_random(dtype, W, k, gen, cluster):
     lens = _lengths(W, k, gen).to(DEV)
     x = torch.randn(lens.shape[0], W, generator=gen).to(dtype).to(DEV)
     a, b = _run_topk(x, lens, k)
@@ -128,7 +147,7 @@ def test_topk_random(dtype, W, k, gen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("W", [W_SMEM, W_STREAM])
+@pytest.mark.parametrize("W", [W_SMEM, W_CLUSTER, W_STREAM])
 def test_topk_patterns(dtype, pattern, W, gen):
     for k in sorted({1, min(100, MAXK), min(2048, MAXK), MAXK}):
         lens = _lengths(W, k, gen, extra_rows=1).to(DEV)
@@ -138,7 +157,7 @@ def test_topk_patterns(dtype, pattern, W, gen):
 
 
 @pytest.mark.parametrize("pattern", ["randn", "one_bin", "few_values"])
-def test_topk_overflowing_threshold_bin(pattern, gen):
+def test_topk_overflowing_threshold_bin(pattern, gen, cluster):
     """Threshold bins far larger than the kernel's buffer must be rescanned, never truncated."""
     W = 8 * CAND_CAP + 13
     k = MAXK
@@ -163,7 +182,7 @@ def test_topk_1m_columns(dtype, gen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("offset,pad", [(0, 0), (0, 3), (1, 5), (3, 0), (2, 64)])
-@pytest.mark.parametrize("W", [W_SMALL + 1, W_STREAM])
+@pytest.mark.parametrize("W", [W_SMALL + 1, W_CLUSTER, W_STREAM])
 def test_topk_strided_rows(dtype, offset, pad, W, gen):
     """Padded row strides and misaligned row starts (views into a wider buffer)."""
     k = min(512, MAXK)
@@ -173,6 +192,28 @@ def test_topk_strided_rows(dtype, offset, pad, W, gen):
     lens = torch.tensor([W, W - 3, k + 2, 17, W // 3], dtype=torch.int32, device=DEV)
     a, b = _run_topk(x, lens, k)
     _assert_same(a, b, f"strided {dtype} offset={offset} pad={pad} W={W}")
+
+
+@pytest.mark.parametrize("W", [SMEM_KEYS + 1, W_CLUSTER, CLUSTER_MAX * SMEM_KEYS])
+@pytest.mark.parametrize("pattern", ["randn", "all_equal", "threshold_ties", "few_values", "specials", "ascending"])
+def test_topk_cluster_slices(W, pattern, gen, cluster_always):
+    """The cluster kernel's seams: rows ending inside each slice (later slices empty), ties spread over
+    several slices (the lowest positions win across slice boundaries), k larger than a slice's winners,
+    and the same rows through the one-CTA path give the same bits."""
+    C = -(-W // SMEM_KEYS)
+    S = (-(-W // C) + 15) // 16 * 16  # the library's slice width
+    lens = [W, W - 1, S, S + 1, 2 * S - 3, S - 1, -1, W + 9]
+    for k in sorted({1, min(100, MAXK), min(S + 5, MAXK), MAXK}):
+        x = _pattern(pattern, len(lens), W, gen).to(DEV)
+        ln = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        a, b = _run_topk(x, ln, k)
+        _assert_same(a, b, f"cluster {pattern} W={W} k={k}")
+        ct.set_cluster_mode("off")
+        try:
+            c, _ = _run_topk(x, ln, k)
+        finally:
+            ct.set_cluster_mode("always")
+        testing.assert_bitwise_equal(c, a)
 
 
 def test_topk_empty_and_tiny(gen):
@@ -311,9 +352,9 @@ def test_block_topk_patterns(pattern, W, gen):
 # Determinism, graphs, dispatch
 # ----------------------------------------------------------------------------------------------------
 
-def test_bitwise_repeatable(gen):
+@pytest.mark.parametrize("W", [W_CLUSTER, W_STREAM])
+def test_bitwise_repeatable(W, gen):
     runs = 50 if not EMU else 3
-    W = W_STREAM
     x = _pattern("few_values", 4, W, gen).to(DEV)
     lens = torch.tensor([W, W - 1, W // 2, 3000], dtype=torch.int32, device=DEV)
     k = min(2048, MAXK)

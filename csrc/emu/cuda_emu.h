@@ -58,6 +58,16 @@ struct Block {
 
 inline thread_local Block* tl_block = nullptr;
 
+// A cluster: its blocks run concurrently (every thread of every block is a std::thread), with one
+// barrier across all of them and each block's shared memory visible to the others.
+struct Cluster {
+  Cluster(int nblocks, int nthreads) : bar(nblocks * nthreads) {}
+  std::barrier<> bar;
+  std::vector<Block*> blocks;
+};
+inline thread_local Cluster* tl_cluster = nullptr;
+inline thread_local unsigned tl_cluster_rank = 0;
+
 inline int sm_count() {
   const char* s = std::getenv("TSI_EMU_SMS");
   return s ? std::atoi(s) : 2;
@@ -95,7 +105,44 @@ inline void launch(int grid, int threads, int smem_bytes, const std::function<vo
   }
 }
 
+// grid blocks in clusters of `cluster` consecutive blocks; clusters run one after another.
+inline void launch_cluster(int grid, int cluster, int threads, int smem_bytes, const std::function<void()>& fn) {
+  for (int c0 = 0; c0 < grid; c0 += cluster) {
+    Cluster cl(cluster, threads);
+    std::vector<std::unique_ptr<Block>> blks;
+    for (int q = 0; q < cluster; ++q) {
+      blks.emplace_back(new Block(threads, smem_bytes));
+      cl.blocks.push_back(blks.back().get());
+    }
+    std::vector<std::thread> ts;
+    ts.reserve((size_t)cluster * threads);
+    for (int q = 0; q < cluster; ++q) {
+      for (int t = 0; t < threads; ++t) {
+        ts.emplace_back([&, q, t]() {
+          threadIdx.x = t;
+          blockIdx.x = c0 + q;
+          blockDim.x = threads;
+          gridDim.x = grid;
+          tl_block = cl.blocks[q];
+          tl_cluster = &cl;
+          tl_cluster_rank = q;
+          fn();
+        });
+      }
+    }
+    for (auto& th : ts) th.join();
+  }
+}
+
 }  // namespace tsi_emu
+
+inline unsigned tsi_cluster_rank() { return tsi_emu::tl_cluster_rank; }
+inline void tsi_cluster_sync() { tsi_emu::tl_cluster->bar.arrive_and_wait(); }
+template <class T>
+inline T* tsi_cluster_map(T* p, unsigned rank) {
+  const auto off = reinterpret_cast<unsigned char*>(p) - tsi_emu::tl_block->smem.data();
+  return reinterpret_cast<T*>(tsi_emu::tl_cluster->blocks[rank]->smem.data() + off);
+}
 
 #define TSI_DYN_SMEM(name) unsigned char* name = tsi_emu::tl_block->smem.data()
 

@@ -49,8 +49,9 @@ def load(path: Optional[str] = None) -> ctypes.CDLL:
     lib.tsi_sparse_topk.argtypes = [vp, ll, i32, i32, vp, i32, i32, vp, i32, vp, up]
     lib.tsi_block_topk.argtypes = [vp, ll, i32, i32, i32, vp, i32, vp, i32, up]
     for f in (lib.tsi_topk, lib.tsi_sparse_topk, lib.tsi_block_topk, lib.tsi_topk_version, lib.tsi_topk_max_k,
-              lib.tsi_topk_smem_keys, lib.tsi_topk_cand_cap):
+              lib.tsi_topk_smem_keys, lib.tsi_topk_cand_cap, lib.tsi_topk_cluster_max, lib.tsi_topk_set_cluster_mode):
         f.restype = ctypes.c_int
+    lib.tsi_topk_set_cluster_mode.argtypes = [i32]
     lib.tsi_topk_error_string.argtypes = [ctypes.c_int]
     lib.tsi_topk_error_string.restype = ctypes.c_char_p
     _lib = lib
@@ -82,10 +83,28 @@ def max_k() -> int:
 
 
 def tuning() -> dict:
-    """The library's path thresholds: ``smem_keys`` (rows selected in shared memory) and ``cand_cap``."""
+    """The library's path thresholds: ``smem_keys`` (rows selected in shared memory), ``cand_cap`` and
+    ``cluster_max`` (``topk`` rows of ``smem_keys < width <= cluster_max * smem_keys`` columns are split over
+    a cluster of CTAs, each holding one slice in shared memory)."""
     if not available():
         return {}
-    return {"smem_keys": int(_lib.tsi_topk_smem_keys()), "cand_cap": int(_lib.tsi_topk_cand_cap())}
+    return {"smem_keys": int(_lib.tsi_topk_smem_keys()), "cand_cap": int(_lib.tsi_topk_cand_cap()),
+            "cluster_max": int(_lib.tsi_topk_cluster_max())}
+
+
+CLUSTER_MODES = ("off", "auto", "always")
+
+
+def set_cluster_mode(mode: str) -> str:
+    """How ``topk`` rows of ``smem_keys < width <= cluster_max * smem_keys`` columns run: ``"auto"`` (the
+    default: split over a cluster of CTAs when rows x cluster size fit one wave, two CTAs per SM),
+    ``"always"`` or ``"off"`` (one CTA per row). Returns the previous mode. For benchmarks and tests that
+    compare the paths."""
+    if mode not in CLUSTER_MODES:
+        raise ValueError(f"mode: expected one of {CLUSTER_MODES}, got {mode!r}")
+    if not available():
+        return "auto"
+    return CLUSTER_MODES[_lib.tsi_topk_set_cluster_mode(CLUSTER_MODES.index(mode))]
 
 
 def _stream(t: torch.Tensor) -> int:
