@@ -89,17 +89,14 @@ void cluster_shape(int rows, int width, int dev, int* C, int* S) {
 }
 
 template <typename T>
-cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int C, int S) {
+cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int dev, int C, int S) {
   const int smem = (int)(offsetof(tsi::Smem, region) + (size_t)(S + tsi::NBINS) * 4);
 #ifndef TSI_EMULATE
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
   static bool done[64] = {false};
   if (!done[dev]) {
     const int most = (int)(offsetof(tsi::Smem, region) + (size_t)(tsi::SMEM_KEYS + tsi::NBINS) * 4);
-    e = cudaFuncSetAttribute(tsi::topk_cluster_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
+    cudaError_t e =
+        cudaFuncSetAttribute(tsi::topk_cluster_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
     if (e != cudaSuccess) return e;
     done[dev] = true;
   }
@@ -115,10 +112,11 @@ cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int C, int S) {
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  e = cudaLaunchKernelEx(&cfg, tsi::topk_cluster_kernel<T>, p, S, C);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, tsi::topk_cluster_kernel<T>, p, S, C);
   return e != cudaSuccess ? e : cudaGetLastError();
 #else
   (void)stream;
+  (void)dev;
   tsi_emu::launch_cluster(p.rows * C, C, tsi::THREADS, smem, [p, S, C]() { tsi::topk_cluster_kernel<T>(p, S, C); });
   return cudaSuccess;
 #endif
@@ -158,15 +156,18 @@ int tsi_topk(const void* logits, long long row_stride, int rows, int width, int 
   p.out = out;
   p.kk = k;
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  int dev = 0;
+  if (rows > 0 && g_cluster_mode != 0 && width > tsi::SMEM_KEYS) {
+    int dev = 0;
 #ifndef TSI_EMULATE
-  if (rows > 0 && cudaGetDevice(&dev) != cudaSuccess) return cudaErrorInvalidDevice;
-  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+    const cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess) return e;
+    if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
 #endif
-  int C, S;
-  cluster_shape(rows, width, dev, &C, &S);
-  if (C > 0 && rows > 0)
-    return dtype == 0 ? launch_cluster<float>(p, s, C, S) : launch_cluster<tsi::bf16_tag>(p, s, C, S);
+    int C, S;
+    cluster_shape(rows, width, dev, &C, &S);
+    if (C > 0)
+      return dtype == 0 ? launch_cluster<float>(p, s, dev, C, S) : launch_cluster<tsi::bf16_tag>(p, s, dev, C, S);
+  }
   return dtype == 0 ? launch<tsi::DenseSrc<float>>(p, s) : launch<tsi::DenseSrc<tsi::bf16_tag>>(p, s);
 }
 

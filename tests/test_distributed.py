@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
@@ -309,53 +310,85 @@ def _reference(d, fmt, cbs):
     return out
 
 
-def _sharded(d, fmt, cbs, shard, group=None, compiled=False):
-    """This rank's results: its cache holds only its positions; every output is the merged global one."""
+def _sharded(d, fmt, cbs, shard, group=None, compiled=False, device="cpu", capture=False):
+    """This rank's results: its cache holds only its positions; every output is the merged global one.
+    Inputs are built on the CPU (as the reference's) and the step runs on ``device``; ``capture`` (CUDA)
+    also replays the dense decode step from a CUDA graph and requires the eager result."""
     gen = torch.Generator().manual_seed(d["layout_seed"] * 31 + shard.rank + 1)
     lseq = [shard.local_length(n) for n in SEQ]
     cache, bt = _build_cache(d, fmt, lseq, lambda bt: cp.cp_slot_mapping(d["pos"], d["req"], bt, BS, shard), gen)
-    ref = d["ref"]
-    qd, qp = d["qd"], d["qp"]
+    lcu = cp.local_cu_seq_lens(d["cu"], shard)
+    n_local = int(lcu[-1])
+
+    def to(t):
+        return None if t is None else t.to(device)
+
+    cache, bt, lcu = to(cache), to(bt), to(lcu)
+    d = {k: (to(v) if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+    ref = {k: to(v) for k, v in d["ref"].items()}
+    qd, qp = (dataclasses.replace(q, **{f.name: to(getattr(q, f.name)) for f in dataclasses.fields(q)})
+              for q in (d["qd"], d["qp"]))
     R, T = qd.q.shape[0], qp.q.shape[0]
     out = {}
-    dense = cp.dense_buffers(shard, max(R, T), MAX_CONTEXT, TOPK, M, cbs, group=group)
-    sparse = cp.sparse_buffers(shard, max(R, T), M, cbs, TOPK, group=group)
+    dense = cp.dense_buffers(shard, max(R, T), MAX_CONTEXT, TOPK, M, cbs, device=device, group=group)
+    sparse = cp.sparse_buffers(shard, max(R, T), M, cbs, TOPK, device=device, group=group)
     # aot_eager: Dynamo + functionalization of the whole step (the collective included), no codegen.
     step = {f.__name__: torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f
             for f in (cp.cp_indexer_decode, cp.cp_sparse_indexer_decode, cp.cp_indexer_prefill,
                       cp.cp_sparse_indexer_prefill)}
-    idx = torch.full((R, TOPK), 9, dtype=torch.int32)
-    cb = torch.full((R, M), 9, dtype=torch.int32)
-    step["cp_indexer_decode"](qd.q, qd.q_scale, cache, qd.weights, d["ctx"], bt, d["dreq"], MAX_CONTEXT, TOPK, cbs,
-                              dense, idx, cb, group=group)
+    i32 = dict(dtype=torch.int32, device=device)
+    idx = torch.full((R, TOPK), 9, **i32)
+    cb = torch.full((R, M), 9, **i32)
+
+    def decode(idx, cb):
+        step["cp_indexer_decode"](qd.q, qd.q_scale, cache, qd.weights, d["ctx"], bt, d["dreq"], MAX_CONTEXT, TOPK,
+                                  cbs, dense, idx, cb, group=group)
+
+    decode(idx, cb)
     out["dec_idx"], out["dec_cb"] = idx, cb
+    if capture:
+        gidx, gcb = torch.full_like(idx, 9), torch.full_like(cb, 9)
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(s):
+            decode(gidx, gcb)  # warm-up outside the capture
+        torch.cuda.current_stream(device).wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            decode(gidx, gcb)
+        for _ in range(3):
+            gidx.fill_(9)
+            gcb.fill_(9)
+            graph.replay()
+            torch.cuda.synchronize(device)
+            assert torch.equal(gidx, idx) and torch.equal(gcb, cb), "replayed sharded decode step differs from eager"
     for name in ("dec_cb", "dec_cand"):
-        idx = torch.full((R, TOPK), 9, dtype=torch.int32)
+        idx = torch.full((R, TOPK), 9, **i32)
         step["cp_sparse_indexer_decode"](qd.q, qd.q_scale, cache, qd.weights, d["ctx"], bt, d["dreq"], ref[name], cbs,
                                     TOPK, sparse, idx, group=group)
         out[name + "_sparse"] = idx
-    lcu = cp.local_cu_seq_lens(d["cu"], shard)
-    k, k_scale = F.gather_k(cache, bt, lcu, int(lcu[-1]), fmt)
+    k, k_scale = F.gather_k(cache, bt, lcu, n_local, fmt)
     ks, ke = cp.local_prefill_bounds(d["ks"], d["ke"], d["prow_req"], lcu, shard)
-    idx = torch.full((T, TOPK), 9, dtype=torch.int32)
-    cb = torch.full((T, M), 9, dtype=torch.int32)
+    idx = torch.full((T, TOPK), 9, **i32)
+    cb = torch.full((T, M), 9, **i32)
     step["cp_indexer_prefill"](qp.q, qp.q_scale, k, k_scale, qp.weights, ks, ke, MAX_CONTEXT, TOPK, cbs, dense, idx,
                                cb, group=group)
     out["pre_idx"], out["pre_cb"] = idx, cb
     for name in ("pre_cb", "pre_cand"):
-        idx = torch.full((T, TOPK), 9, dtype=torch.int32)
+        idx = torch.full((T, TOPK), 9, **i32)
         step["cp_sparse_indexer_prefill"](qp.q, qp.q_scale, k, k_scale, qp.weights, ks, ke, ref[name], cbs, TOPK,
                                           sparse, idx, group=group)
         out[name + "_sparse"] = idx
-    return out
+    return {k: v.cpu() for k, v in out.items()}
 
 
-def _check_case(fmt, interleave, cbs, seed, rank, world_size, group=None, compiled=False):
+def _check_case(fmt, interleave, cbs, seed, rank, world_size, group=None, compiled=False, device="cpu",
+                capture=False):
     d = _case_data(fmt, seed)
     d["ref"] = ref = _reference(d, fmt, cbs)
     # The data must exercise what the test claims: rows shorter than k, NaN scores (fp8), real ties.
     assert (ref["dec_idx"] == -1).any() and (ref["pre_idx"] == -1).any()
-    got = _sharded(d, fmt, cbs, cp.CPShard(rank, world_size, interleave), group, compiled)
+    got = _sharded(d, fmt, cbs, cp.CPShard(rank, world_size, interleave), group, compiled, device, capture)
     tag = f"{fmt} interleave={interleave} cbs={cbs} seed={seed} rank {rank}/{world_size}"
     for name, t in got.items():
         if not torch.equal(t, ref[name]):
@@ -380,10 +413,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, case_list):
+def _worker(rank, world_size, port, case_list, backend="gloo"):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    device = "cpu"
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
         for c in case_list:
             c = dict(c)
@@ -391,22 +428,22 @@ def _worker(rank, world_size, port, case_list):
                 torch._dynamo.reset()
             if c.pop("list_gather", False):  # the fallback for a gloo without all_gather_into_tensor
                 cp._LIST_GATHER_BACKENDS.add("gloo")
-            _check_case(rank=rank, world_size=world_size, group=None, **c)
+            _check_case(rank=rank, world_size=world_size, group=None, device=device, **c)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(world_size, case_list, timeout_s=150):
-    ctx = mp.start_processes(_worker, args=(world_size, _free_port(), case_list), nprocs=world_size, join=False,
-                             start_method="spawn")
+def _spawn(world_size, case_list, timeout_s=150, backend="gloo"):
+    ctx = mp.start_processes(_worker, args=(world_size, _free_port(), case_list, backend), nprocs=world_size,
+                             join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-            pytest.fail(f"{world_size} gloo processes did not finish within {timeout_s} s")
+            pytest.fail(f"{world_size} {backend} processes did not finish within {timeout_s} s")
 
 
 def test_gloo_two_ranks(seed):
@@ -429,3 +466,19 @@ def test_gloo_three_ranks(seed):
 def test_gloo_four_ranks(seed):
     _spawn(4, [dict(fmt="mxfp4", interleave=1, cbs=16, seed=seed),
                dict(fmt="fp8", interleave=64, cbs=16, seed=seed + 1)])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Multi-GPU (NCCL): one rank per GPU of the machine
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs CUDA GPUs and NCCL")
+def test_nccl_ranks(seed):
+    """Every GPU of the machine a rank (one GPU: world size 1 still goes through NCCL's all-gather): the GPU
+    kernels' sharded results equal the single-process CPU reference exactly, and the sharded dense decode
+    step replays from a CUDA graph with the eager result."""
+    n = torch.cuda.device_count()
+    _spawn(n, [dict(fmt="fp8", interleave=1, cbs=8, seed=seed, capture=True),
+               dict(fmt="mxfp4", interleave=64, cbs=16, seed=seed + 1, capture=True),
+               dict(fmt="fp8", interleave=64, cbs=16, seed=seed + 2)], timeout_s=300, backend="nccl")
