@@ -122,6 +122,20 @@ cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int dev, int C,
 #endif
 }
 
+// The fields every op sets; sparse_topk and block_topk add theirs.
+Params row_params(const void* logits, long long row_stride, int rows, int width, const int* lengths, int* out,
+                  int kk) {
+  Params p{};
+  p.logits = logits;
+  p.row_stride = row_stride;
+  p.rows = rows;
+  p.width = width;
+  p.lengths = lengths;
+  p.out = out;
+  p.kk = kk;
+  return p;
+}
+
 bool aligned16(const void* ptr, long long stride, int esize) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0 && ((stride * esize) & 15) == 0;
 }
@@ -147,14 +161,7 @@ int tsi_topk(const void* logits, long long row_stride, int rows, int width, int 
              int k, int* out, uintptr_t stream) {
   if (k < 1 || k > tsi::LIST_CAP || rows < 0 || width < 0 || row_stride < width || (dtype != 0 && dtype != 1))
     return cudaErrorInvalidValue;
-  Params p{};
-  p.logits = logits;
-  p.row_stride = row_stride;
-  p.rows = rows;
-  p.width = width;
-  p.lengths = lengths;
-  p.out = out;
-  p.kk = k;
+  const Params p = row_params(logits, row_stride, rows, width, lengths, out, k);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (rows > 0 && g_cluster_mode != 0 && width > tsi::SMEM_KEYS) {
     int dev = 0;
@@ -190,18 +197,11 @@ int tsi_sparse_topk(const void* logits, long long row_stride, int rows, int dtyp
   if (k < 1 || k > tsi::LIST_CAP || rows < 0 || nblk < 1 || lcbs < 3 || cbs > 64 ||
       row_stride < (long long)nblk * cbs || (dtype != 0 && dtype != 1))
     return cudaErrorInvalidValue;
-  Params p{};
-  p.logits = logits;
-  p.row_stride = row_stride;
-  p.rows = rows;
-  p.width = nblk * cbs;
-  p.lengths = lengths;
+  Params p = row_params(logits, row_stride, rows, nblk * cbs, lengths, out, k);
   p.blocks = blocks;
   p.nblk = nblk;
   p.cbs = cbs;
   p.lcbs = lcbs;
-  p.out = out;
-  p.kk = k;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   return dtype == 0 ? launch<tsi::SparseSrc<float>>(p, s) : launch<tsi::SparseSrc<tsi::bf16_tag>>(p, s);
 }
@@ -214,16 +214,9 @@ int tsi_block_topk(const void* logits, long long row_stride, int rows, int width
   if (nbk < 1 || nbk > tsi::LIST_CAP || rows < 0 || width < 0 || row_stride < width || lcbs < 3 || cbs > 64 ||
       (dtype != 0 && dtype != 1))
     return cudaErrorInvalidValue;
-  Params p{};
-  p.logits = logits;
-  p.row_stride = row_stride;
-  p.rows = rows;
-  p.width = width;
-  p.lengths = lengths;
+  Params p = row_params(logits, row_stride, rows, width, lengths, out, nbk);
   p.cbs = cbs;
   p.lcbs = lcbs;
-  p.out = out;
-  p.kk = nbk;
   auto s = reinterpret_cast<cudaStream_t>(stream);
   const bool vec = aligned16(logits, row_stride, dtype == 0 ? 4 : 2);
   if (dtype == 0)
