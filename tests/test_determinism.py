@@ -91,32 +91,29 @@ def prefill_logits(a):
     return out
 
 
-def decode_step(a, small_ws=False):
+def _two_level(a, base, dense_op, sparse_op, small_ws):
     """Dense level (top-k + published candidate blocks), then the consumer level on those blocks."""
-    R = a["q"].shape[0]
+    N = a["q"].shape[0]
     dev = a["q"].device
-    idx = torch.full((R, TOPK), -7, dtype=torch.int32, device=dev)
-    cb = torch.full((R, NBK), -7, dtype=torch.int32, device=dev)
-    base = (a["q"], a["q_scale"], a["kv_cache"], a["weights"], a["context_lens"], a["block_table"], a["req_indices"])
-    ops.indexer_decode(*base, a["max_context"], TOPK, a["cbs"], _ws(R, a["max_context"], dev, small_ws), idx, cb)
-    sidx = torch.full((R, TOPK), -7, dtype=torch.int32, device=dev)
-    ops.sparse_indexer_decode(*base, cb, a["cbs"], TOPK, _ws(R, NBK * a["cbs"], dev, small_ws), sidx)
+    idx = torch.full((N, TOPK), -7, dtype=torch.int32, device=dev)
+    cb = torch.full((N, NBK), -7, dtype=torch.int32, device=dev)
+    dense_op(*base, a["max_context"], TOPK, a["cbs"], _ws(N, a["max_context"], dev, small_ws), idx, cb)
+    sidx = torch.full((N, TOPK), -7, dtype=torch.int32, device=dev)
+    sparse_op(*base, cb, a["cbs"], TOPK, _ws(N, NBK * a["cbs"], dev, small_ws), sidx)
     return idx, cb, sidx
+
+
+def decode_step(a, small_ws=False):
+    base = (a["q"], a["q_scale"], a["kv_cache"], a["weights"], a["context_lens"], a["block_table"], a["req_indices"])
+    return _two_level(a, base, ops.indexer_decode, ops.sparse_indexer_decode, small_ws)
 
 
 decode_step.logits = decode_logits
 
 
 def prefill_step(a, small_ws=False):
-    T = a["q"].shape[0]
-    dev = a["q"].device
-    idx = torch.full((T, TOPK), -7, dtype=torch.int32, device=dev)
-    cb = torch.full((T, NBK), -7, dtype=torch.int32, device=dev)
     base = (a["q"], a["q_scale"], a["k"], a["k_scale"], a["weights"], a["ks"], a["ke"])
-    ops.indexer_prefill(*base, a["max_context"], TOPK, a["cbs"], _ws(T, a["max_context"], dev, small_ws), idx, cb)
-    sidx = torch.full((T, TOPK), -7, dtype=torch.int32, device=dev)
-    ops.sparse_indexer_prefill(*base, cb, a["cbs"], TOPK, _ws(T, NBK * a["cbs"], dev, small_ws), sidx)
-    return idx, cb, sidx
+    return _two_level(a, base, ops.indexer_prefill, ops.sparse_indexer_prefill, small_ws)
 
 
 prefill_step.logits = prefill_logits
