@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     for name in args.suite or available_suites():
         mod = importlib.import_module(f"suite_{name}")
         rows = mod.run(args)
+        if not rows:  # skipped here, or a rank other than 0 of a multi-process suite
+            continue
         common.write_csv(rows, os.path.join(args.out, f"{name}.csv"))
         if hasattr(mod, "plot"):
             try:

@@ -87,6 +87,32 @@ def time_us(fn: Callable[[], None], graph: bool = True, warmup: int = 3, rep_ms:
     return ms * 1e3
 
 
+def replay_us(fn: Callable[[], None], reps: int = 50) -> float:
+    """Median of ``reps`` CUDA-graph replays of ``fn`` (L2 flushed before each), a fixed count: ranks of a
+    process group that each time a step with collectives this way stay paired."""
+    fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def write_csv(rows: Iterable[dict], path: str) -> None:
     rows = list(rows)
     if not rows:

@@ -3,7 +3,7 @@
 #   tests    every GPU-marked test file (Triton scoring/cache, CUDA top-k, DeepGEMM, capture, replay,
 #            determinism, bad-input matrix, fuzz gpu profile, ...), one timeout per file
 #   example  examples/two_level_indexer.py on the GPU (compiled + CUDA graphs, checked against the reference)
-#   bench    benchmarks/bench.py suites named in SUITES (default "scoring topk deepgemm")
+#   bench    benchmarks/bench.py suites named in SUITES (default "scoring topk deepgemm cp")
 #   stress   tests/test_replay_stress_gpu.py in script mode (TSI_STRESS_REPLAYS, default 10000; cut at BUDGET)
 #   sanitize scripts/sanitize.sh (compute-sanitizer memcheck/racecheck/initcheck/synccheck; SAN_TOOLS picks)
 # DeepGEMM 2.8.2 is built in the background when .deps/deepgemm is carried (SKIP_DEEPGEMM=1 skips it) and
@@ -86,7 +86,7 @@ if [[ $PARTS == *,example,* ]]; then
   el "example rc=$rc $(tail -n 2 "$L/example.log" | tr '\n' ' ')"
 fi
 if [[ $PARTS == *,bench,* ]]; then
-  for s in ${SUITES:-scoring topk deepgemm}; do
+  for s in ${SUITES:-scoring topk deepgemm cp}; do
     [ "$s" = deepgemm ] && join_dg
     [ "$(left)" -gt 30 ] || { el "no time left for suite $s"; continue; }
     timeout $(( $(left) - 15 )) python3 benchmarks/bench.py --suite "$s" --out "$OUT" > "$L/bench_$s.log" 2>&1
