@@ -1,7 +1,8 @@
 """CUDA top-k kernels (``csrc/topk.cu``) against ``reference.py`` run on the same tensors: exact equality.
 
 Covers every path the kernels choose per row (shared-memory rows, streamed rows with a buffered threshold
-bin, streamed rows whose threshold bin overflows the buffer and is rescanned), ties, NaN / -inf rows,
+bin, streamed rows whose threshold bin overflows the buffer and is rescanned, rows split over a cluster of
+CTAs, each cluster-width case also forced onto the one-CTA path), ties, NaN / -inf rows,
 out-of-range lengths, padded and misaligned rows, bitwise repeatability and CUDA-graph replay. The shapes
 aim at each path through the thresholds the library exports (``cuda_topk.tuning()``).
 
