@@ -26,10 +26,12 @@ CONFIG_OVERRIDES: dict = {}
 
 
 def _write_config():
-    """(tokens per program, integer e4m3 rounding). On the GPU the e4m3 bytes come from triton's fp8 cast (the
-    hardware's round-to-nearest-even conversion: 206 -> 129 us for 1M tokens, bytes equal to the reference's
-    there; quantize_q uses it too); the integer rounding serves the interpreter, whose cast does not round."""
-    return CONFIG_OVERRIDES.get("write", (_TOK, _INTERPRET))
+    """(tokens per program, integer e4m3 rounding, warps); an override may leave out the warps (4). On the GPU
+    the e4m3 bytes come from triton's fp8 cast (the hardware's round-to-nearest-even conversion: 206 -> 129 us
+    for 1M tokens, bytes equal to the reference's there; quantize_q uses it too); the integer rounding serves
+    the interpreter, whose cast does not round."""
+    cfg = CONFIG_OVERRIDES.get("write", (_TOK, _INTERPRET))
+    return tuple(cfg) + (4,) * (3 - len(cfg))
 
 
 def _gather_config(R: int):
@@ -234,9 +236,9 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     T, D = k.shape
     if T == 0:
         return
-    tok, soft = _write_config()
+    tok, soft, warps = _write_config()
     _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, bs, stride, D=D, FP4=fmt == "mxfp4",
-                                          POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft, num_warps=4)
+                                          POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft, num_warps=warps)
 
 
 def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
