@@ -14,6 +14,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from torch_sparse_indexer import testing
+
 # Ceilings measured on the project's H200 (ANCHORS.md section 7): use these for the floors.
 COPY_BW = 4.27e12          # bytes/s, device-to-device copy (read + write)
 FP8_RATE = 1281e12         # flop/s, torch._scaled_mm fp8 8192^3
@@ -71,18 +73,7 @@ def time_us(fn: Callable[[], None], graph: bool = True, warmup: int = 3, rep_ms:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-    else:
-        run = fn
+    run = testing.capture_graph(fn).replay if graph else fn
     ms = triton.testing.do_bench(run, warmup=25, rep=rep_ms, return_mode="median")
     return ms * 1e3
 
@@ -92,14 +83,7 @@ def replay_us(fn: Callable[[], None], reps: int = 50) -> float:
     process group that each time a step with collectives this way stay paired."""
     fn()
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = testing.capture_graph(fn)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     times = []
     for _ in range(reps):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torch_sparse_indexer import distributed as cp, formats, functional as F
+from torch_sparse_indexer import distributed as cp, formats, functional as F, testing
 
 import cases
 import oracle
@@ -348,14 +348,7 @@ def _sharded(d, fmt, cbs, shard, group=None, compiled=False, device="cpu", captu
     out["dec_idx"], out["dec_cb"] = idx, cb
     if capture:
         gidx, gcb = torch.full_like(idx, 9), torch.full_like(cb, 9)
-        s = torch.cuda.Stream(device)
-        s.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(s):
-            decode(gidx, gcb)  # warm-up outside the capture
-        torch.cuda.current_stream(device).wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            decode(gidx, gcb)
+        graph = testing.capture_graph(lambda: decode(gidx, gcb))  # the worker's current device is this rank's
         for _ in range(3):
             gidx.fill_(9)
             gcb.fill_(9)

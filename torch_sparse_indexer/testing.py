@@ -41,6 +41,20 @@ def assert_bitwise_equal(x: torch.Tensor, y: torch.Tensor) -> None:
         raise AssertionError(f"not bitwise equal: {int((xb != yb).sum())} bytes differ")
 
 
+def capture_graph(fn: Callable[[], None]) -> "torch.cuda.CUDAGraph":
+    """``fn`` run once on a side stream (so lazy initialisation stays out of the capture), then captured
+    into a CUDA graph on the current device, which is returned (replay it with ``.replay()``)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def count_bytes(*tensors: Optional[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
