@@ -11,7 +11,9 @@ Rows (fp32 unless the shape says bf16; lengths per row drawn in ``[W - 1000, W]`
 Impls: ``cuda`` (ours, through the op's backend function), ``torch.topk+mask`` (what a caller must do for
 per-row lengths: ``masked_fill`` then ``torch.topk``; for ``block_topk`` a masked ``amax`` over blocks then
 ``torch.topk``), ``torch.topk`` (no lengths at all: a lower bound for torch) and ``amax`` (one read of the
-scores: the measured floor). ``floor_us`` = score bytes / copy bandwidth; ``x_torch`` = torch.topk+mask time /
+scores: the measured floor). Rows longer than the shared-memory limit are also timed on each path the
+library can take for them: ``cuda cluster`` / ``cuda one-CTA`` (cluster mode forced on / off) and
+``cuda two-pass`` (one CTA, sampled threshold off: the row read twice). ``floor_us`` = score bytes / copy bandwidth; ``x_torch`` = torch.topk+mask time /
 ours; ``x_read`` = our time / amax time. Times: median of CUDA-graph replays, L2 flushed. ``check``: our
 output equals ``reference.py`` on the first rows. ``--quick`` shrinks the shapes.
 ``TSI_BENCH_TOPK_TARGETS=1``: the issue's target shapes only, ours and ``amax`` only (to compare builds of
@@ -77,19 +79,24 @@ def _topk_case(R, W, k, dtype, gen):
     rows = _rows("topk", shape, k, x, ours, lambda: torch.topk(_mask(x, lens), k, dim=1),
                  lambda: torch.topk(x, k, dim=1), check)
     t = ct.tuning()
-    if t["smem_keys"] < W <= t["cluster_max"] * t["smem_keys"]:  # the same rows on each path
-        cuda = rows[0]
-        for mode, impl in (("always", "cuda cluster"), ("off", "cuda one-CTA")):
-            prev = ct.set_cluster_mode(mode)
-            try:
-                ours()
-                chk = _check(None, lambda e, r: reference.topk(x[:r], lens[:r], k, e), out)
-                t_alt = common.time_us(ours)
-            finally:
-                ct.set_cluster_mode(prev)
-            rows.append(common.record(op="topk", shape=shape, k=k, floor_us=cuda["floor_us"], impl=impl,
-                                      time_us=t_alt, x_read=t_alt / cuda["time_us"] * cuda["x_read"],
-                                      x_torch=cuda["x_torch"] * cuda["time_us"] / t_alt, check=chk))
+    alts = []  # the same rows on each path: (impl, cluster mode, sampled threshold)
+    if t["smem_keys"] < W <= t["cluster_max"] * t["smem_keys"]:
+        alts += [("cuda cluster", "always", True), ("cuda one-CTA", "off", True)]
+    if W > t["smem_keys"]:
+        alts.append(("cuda two-pass", "off", False))
+    cuda = rows[0]
+    for impl, mode, sampled in alts:
+        prev, prev_s = ct.set_cluster_mode(mode), ct.set_sampled(sampled)
+        try:
+            ours()
+            chk = _check(None, lambda e, r: reference.topk(x[:r], lens[:r], k, e), out)
+            t_alt = common.time_us(ours)
+        finally:
+            ct.set_cluster_mode(prev)
+            ct.set_sampled(prev_s)
+        rows.append(common.record(op="topk", shape=shape, k=k, floor_us=cuda["floor_us"], impl=impl,
+                                  time_us=t_alt, x_read=t_alt / cuda["time_us"] * cuda["x_read"],
+                                  x_torch=cuda["x_torch"] * cuda["time_us"] / t_alt, check=chk))
     return rows
 
 

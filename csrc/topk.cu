@@ -10,7 +10,7 @@ namespace {
 
 using tsi::Params;
 
-constexpr int kVersion = 2;
+constexpr int kVersion = 3;
 
 int log2_exact(int v) {
   int l = 0;
@@ -122,6 +122,9 @@ cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int dev, int C,
 #endif
 }
 
+// Streamed rows try the sampled threshold first (one read of the row; see sampled_mode): 1 = on (default).
+int g_sampled = 1;
+
 // The fields every op sets; sparse_topk and block_topk add theirs.
 Params row_params(const void* logits, long long row_stride, int rows, int width, const int* lengths, int* out,
                   int kk) {
@@ -133,6 +136,7 @@ Params row_params(const void* logits, long long row_stride, int rows, int width,
   p.lengths = lengths;
   p.out = out;
   p.kk = kk;
+  p.sampled = g_sampled;
   return p;
 }
 
@@ -188,6 +192,16 @@ int tsi_topk_set_cluster_mode(int mode) {
   return prev;
 }
 int tsi_topk_cluster_max() { return tsi::CLUSTER_MAX; }
+
+// Streamed rows (more than smem_keys elements, one CTA per row): 1 = try the sampled threshold first (the
+// default: one read of the row when the sample's threshold buffers between k and cand_cap elements, else
+// the two-pass path), 0 = always the two-pass path. The result is the same either way. Returns the
+// previous setting; a value other than 0 or 1 only queries. For benchmarks and tests.
+int tsi_topk_set_sampled(int on) {
+  const int prev = g_sampled;
+  if (on == 0 || on == 1) g_sampled = on;
+  return prev;
+}
 
 // sparse_topk over logits [rows, nblk * cbs]: column c is position blocks[r, c / cbs] * cbs + c % cbs,
 // valid when that block id is >= 0 and the position < lengths[r]. out: int32 [rows, k].

@@ -84,6 +84,7 @@ struct Params {
   int lcbs;              // log2(cbs)
   int* out;              // [rows, kk]
   int kk;                // k (topk, sparse_topk) or number of output blocks (block_topk)
+  int sampled;           // 1: streamed rows try the sampled threshold first (see sampled_mode)
 };
 
 struct Smem {
@@ -599,9 +600,9 @@ __device__ void smem_hist(Smem& sm, const uint32_t* keys, int count, int L, uint
 
 // Streams items [0, n) in batches of U tiles (item = base + u*THREADS + tid); the next batch's loads
 // are in flight while f(cur, base) runs. REV walks the batches from last to first. f is called
-// uniformly by all threads.
+// uniformly by all threads and returns whether to go on (a uniform value), so a pass can stop early.
 template <int U, bool REV, class Src, class F>
-__device__ __forceinline__ void stream(const Src& src, F&& f) {
+__device__ __forceinline__ void stream_while(const Src& src, F&& f) {
   const int n = src.items();
   const int per = THREADS * U;
   const int nb = (n + per - 1) / per;
@@ -619,9 +620,17 @@ __device__ __forceinline__ void stream(const Src& src, F&& f) {
 #pragma unroll
       for (int u = 0; u < U; ++u) buf[u] = src.load(bn * per + u * THREADS + (int)threadIdx.x);
     }
-    f(cur, b * per);
+    if (!f(cur, b * per)) return;
     b = bn;
   }
+}
+
+template <int U, bool REV, class Src, class F>
+__device__ __forceinline__ void stream(const Src& src, F&& f) {
+  stream_while<U, REV>(src, [&](const Raw (&cur)[U], int base) {
+    f(cur, base);
+    return true;
+  });
 }
 
 template <int U, class Src>
@@ -789,6 +798,126 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
   __syncthreads();
   smem_select(sm, par, K, m, t, [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
   pad_out(out, r, kk);
+}
+
+// Sampled threshold (streamed rows): one read of the row instead of two, and no histogram atomics over
+// the whole row (shared-memory atomics of a whole row's histogram, which many lanes of a warp aim at the
+// same few bins, bound the two-pass path more than HBM did: NOTES.md). A sample of the row (TILES tiles
+// spread over it) gives a key tau whose expected count over the row is T = sqrt(k * CAND_CAP), between
+// k and CAND_CAP by the same factor; one ordered pass writes every element with key >= tau (index
+// order, with keys) to shared memory and stops as soon as more than CAND_CAP are seen; the exact
+// selection runs on that buffer. Exact whenever k <= count <= CAND_CAP: the k best elements all have
+// keys >= the k-th best key >= tau, so all of them are buffered, in index order (ties go to the lowest
+// index as everywhere). Otherwise (an unrepresentative sample, massive ties, fewer valid elements than
+// k) it returns false and the two-pass path runs: the result never depends on the sample, only the time.
+template <class Src>
+struct Sample {
+  static constexpr int KEYS = CAND_CAP / 2;  // sample keys at most
+  static constexpr int ITEMS = KEYS / Src::E < THREADS ? KEYS / Src::E : THREADS;  // sampled items per tile
+  static constexpr int TILES = KEYS / (ITEMS * Src::E) > 0 ? KEYS / (ITEMS * Src::E) : 1;
+  static_assert(TILES * ITEMS * Src::E <= CAND_CAP, "the sample fits the key buffer");
+};
+
+template <int U, class Src>
+__device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
+  static_assert(U * THREADS * Src::E < 65536, "batch counts");
+  using S = Sample<Src>;
+  const int n = src.items();
+  const int ntiles = (n + THREADS - 1) / THREADS;
+  if (ntiles < 2 * S::TILES) return false;
+  uint32_t* candK = sm.region;
+  uint32_t* candI = sm.region + CAND_CAP;
+  const int lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) sm.ctl[4] = 0u;
+  __syncthreads();
+  // The sample's keys, compacted in any order (only their histograms are used).
+  for (int s = 0; s < S::TILES; ++s) {
+    const int c = (int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x;
+    uint32_t key[Src::E];
+    src.elems(src.load(c), c, key);  // warp-collective: every thread calls it
+    uint32_t cnt = 0u;
+#pragma unroll
+    for (int j = 0; j < Src::E; ++j) {
+      key[j] = (int)threadIdx.x < S::ITEMS ? key[j] : 0u;
+      cnt += key[j] != 0u;
+    }
+    uint32_t incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t y = __shfl_up_sync(FULL, incl, o);
+      if (lane >= o) incl += y;
+    }
+    uint32_t wbase = 0u;
+    if (lane == 31 && incl) wbase = atomicAdd(&sm.ctl[4], incl);
+    wbase = __shfl_sync(FULL, wbase, 31);
+    uint32_t o = wbase + incl - cnt;
+#pragma unroll
+    for (int j = 0; j < Src::E; ++j)
+      if (key[j] != 0u) candK[o++] = key[j];
+  }
+  __syncthreads();
+  const int sv = (int)sm.ctl[4];
+  // The sample rank whose expected count over the row is T (the sample is TILES * ITEMS of n items).
+  long long T = kk, hi = CAND_CAP;  // T = floor(sqrt(k * CAND_CAP)), k <= CAND_CAP
+  while (T < hi) {
+    const long long mid = (T + hi + 1) >> 1;
+    if (mid * mid <= (long long)kk * CAND_CAP) T = mid;
+    else hi = mid - 1;
+  }
+  long long j = (T * (S::TILES * S::ITEMS) + n - 1) / n;
+  j = j < 1 ? 1 : j;
+  if (j > sv) return false;
+  // tau: the lower edge of the 22-bit bin of the sample's j-th best key (two histogram levels).
+  smem_hist(sm, candK, sv, 0, 0u);
+  find_bin<NBINS>(sm, (uint32_t)j);
+  const uint32_t B1 = sm.ctl[0];
+  const uint32_t need = (uint32_t)j - sm.ctl[1];
+  smem_hist(sm, candK, sv, 11, B1);
+  find_bin<NBINS>(sm, need);
+  uint32_t tau = (B1 << 21) | (sm.ctl[0] << 10);
+  tau = tau == 0u ? 1u : tau;  // key 0 is "no element"
+  __syncthreads();  // the sample is read; its buffer is overwritten below
+  int par = 0;
+  uint32_t run = 0u;
+  stream_while<U, false>(src, [&](const Raw (&cur)[U], int base) {
+    uint32_t key[U][Src::E];
+    batch_keys<U>(src, cur, base, key);
+    uint32_t cnt[U], ex[U], tot;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      uint32_t c = 0u;
+#pragma unroll
+      for (int jj = 0; jj < Src::E; ++jj) c += key[u][jj] >= tau;
+      cnt[u] = c;
+    }
+    block_excl_scan_multi<U>(cnt, ex, &tot, sm.scan[par]);
+    par ^= 1;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (cnt[u] == 0u) continue;
+      const int c = base + u * THREADS + (int)threadIdx.x;
+      uint32_t o = run + ex[u];
+#pragma unroll
+      for (int jj = 0; jj < Src::E; ++jj) {
+        if (key[u][jj] < tau) continue;
+        if (o < (uint32_t)CAND_CAP) {
+          candK[o] = key[u][jj];
+          candI[o] = (uint32_t)src.index(c, jj);
+        }
+        ++o;
+      }
+    }
+    run += tot;
+    return run <= (uint32_t)CAND_CAP;  // uniform: tot is the CTA's total
+  });
+  __syncthreads();
+  if (run < (uint32_t)kk || run > (uint32_t)CAND_CAP) return false;
+  const int c = (int)run;
+  smem_hist(sm, candK, c, 0, 0u);
+  const Thresh t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, candK, c, L, P); });
+  __syncthreads();
+  smem_select(sm, par, candK, c, t, [&](uint32_t rank, int i) { out[rank] = src.pos((int)candI[i]); });
+  return true;
 }
 
 template <int U, class Src>
@@ -1048,8 +1177,12 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
     for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < src.m ? i : -1;
     return;
   }
-  if (src.m <= SMEM_KEYS) smem_mode<U>(sm, src, out, kk);
-  else stream_mode<U>(sm, src, out, kk);
+  if (src.m <= SMEM_KEYS) {
+    smem_mode<U>(sm, src, out, kk);
+  } else if (!(p.sampled && sampled_mode<U>(sm, src, out, kk))) {
+    __syncthreads();
+    stream_mode<U>(sm, src, out, kk);
+  }
   if (Src::KIND == SPARSE) sort_positions_if_unordered(sm, out, kk);
 }
 

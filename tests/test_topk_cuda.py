@@ -2,7 +2,8 @@
 
 Covers every path the kernels choose per row (shared-memory rows, streamed rows with a buffered threshold
 bin, streamed rows whose threshold bin overflows the buffer and is rescanned, rows split over a cluster of
-CTAs, each cluster-width case also forced onto the one-CTA path), ties, NaN / -inf rows,
+CTAs, each cluster-width case also forced onto the one-CTA path; streamed rows with and without the sampled
+threshold), ties, NaN / -inf rows,
 out-of-range lengths, padded and misaligned rows, bitwise repeatability and CUDA-graph replay. The shapes
 aim at each path through the thresholds the library exports (``cuda_topk.tuning()``).
 
@@ -52,6 +53,15 @@ def cluster(request):
     prev = ct.set_cluster_mode(request.param)
     yield request.param
     ct.set_cluster_mode(prev)
+
+
+@pytest.fixture(params=[True, False], ids=["sampled", "two_pass"])
+def sampled(request):
+    """Runs a test with streamed rows trying the sampled threshold first (the default), then with the
+    two-pass path only. Both must give the reference's exact output."""
+    prev = ct.set_sampled(request.param)
+    yield request.param
+    ct.set_sampled(prev)
 
 
 @pytest.fixture
@@ -149,7 +159,7 @@ def test_topk_random(dtype, W, k, gen, cluster):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("W", [W_SMEM, W_CLUSTER, W_STREAM])
-def test_topk_patterns(dtype, pattern, W, gen):
+def test_topk_patterns(dtype, pattern, W, gen, sampled):
     for k in sorted({1, min(100, MAXK), min(2048, MAXK), MAXK}):
         lens = _lengths(W, k, gen, extra_rows=1).to(DEV)
         x = _pattern(pattern, lens.shape[0], W, gen).to(dtype).to(DEV)
@@ -158,7 +168,7 @@ def test_topk_patterns(dtype, pattern, W, gen):
 
 
 @pytest.mark.parametrize("pattern", ["randn", "one_bin", "few_values"])
-def test_topk_overflowing_threshold_bin(pattern, gen, cluster):
+def test_topk_overflowing_threshold_bin(pattern, gen, cluster, sampled):
     """Threshold bins far larger than the kernel's buffer must be rescanned, never truncated."""
     W = 8 * CAND_CAP + 13
     k = MAXK
@@ -169,7 +179,7 @@ def test_topk_overflowing_threshold_bin(pattern, gen, cluster):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_topk_1m_columns(dtype, gen):
+def test_topk_1m_columns(dtype, gen, sampled):
     W = (1 << 20) if not EMU else (1 << 16)
     x = torch.randn(3, W, generator=gen)
     x[1] = 1 + 0.245 * torch.rand(W, generator=gen)
@@ -215,6 +225,31 @@ def test_topk_cluster_slices(W, pattern, gen, cluster_always):
         finally:
             ct.set_cluster_mode("always")
         testing.assert_bitwise_equal(c, a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("skew", ["ascending", "descending", "hot_quarter", "hot_sparse", "lengths"])
+def test_topk_unrepresentative_sample(dtype, skew, gen, sampled):
+    """Streamed rows whose sample (tiles spread over the row) misjudges the threshold: far too low
+    (more than cand_cap elements above it: the pass stops and the two-pass path runs), far too high
+    (fewer than k above it), or drawn from mostly invalid columns. Exact either way."""
+    W = W_STREAM
+    R = 4
+    x = torch.randn(R, W, generator=gen)
+    lens = torch.tensor([W, W - 17, W // 2 + 3, SMEM_KEYS + 9], dtype=torch.int32)
+    if skew == "ascending":
+        x = x * 0.01 + torch.linspace(0, 100, W)
+    elif skew == "descending":
+        x = x * 0.01 + torch.linspace(100, 0, W)
+    elif skew == "hot_quarter":  # the sample's first tile lies around W / 4
+        x[:, W // 4 - W // 64: W // 4 + W // 64] += 50
+    elif skew == "hot_sparse":  # a few huge winners outside the sample, the sample sees none of them
+        x[:, 7::1013] += 100
+    else:  # most sampled columns past the row's length
+        lens = torch.tensor([W // 5, W // 3, SMEM_KEYS + 1, W // 4 + 1], dtype=torch.int32)
+    for k in sorted({1, min(512, MAXK), min(2048, MAXK), MAXK}):
+        a, b = _run_topk(x.to(dtype).to(DEV), lens.to(DEV), k)
+        _assert_same(a, b, f"unrepresentative sample {skew} {dtype} k={k}")
 
 
 def test_topk_empty_and_tiny(gen):
@@ -271,7 +306,7 @@ def test_sparse_topk(dtype, cbs, nb_width, holes, gen):
 
 
 @pytest.mark.parametrize("pattern", ["few_values", "one_bin", "specials", "all_equal"])
-def test_sparse_topk_ties(pattern, gen):
+def test_sparse_topk_ties(pattern, gen, sampled):
     cbs = 16
     nb = W_STREAM // cbs
     x, blocks, lens = _sparse_case(4, nb, cbs, gen)
@@ -340,7 +375,7 @@ def test_block_topk(dtype, cbs, width, offset, gen):
 
 @pytest.mark.parametrize("pattern", ["few_values", "specials", "nan_neginf", "all_equal", "one_bin"])
 @pytest.mark.parametrize("W", [W_SMALL * 8, 8 * SMEM_KEYS + 5])
-def test_block_topk_patterns(pattern, W, gen):
+def test_block_topk_patterns(pattern, W, gen, sampled):
     cbs = 8
     nbk = min(2048, MAXK)
     x = _pattern(pattern, 4, W, gen).to(DEV)
@@ -354,7 +389,7 @@ def test_block_topk_patterns(pattern, W, gen):
 # ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("W", [W_CLUSTER, W_STREAM])
-def test_bitwise_repeatable(W, gen):
+def test_bitwise_repeatable(W, gen, sampled):
     runs = 50 if not EMU else 3
     x = _pattern("few_values", 4, W, gen).to(DEV)
     lens = torch.tensor([W, W - 1, W // 2, 3000], dtype=torch.int32, device=DEV)

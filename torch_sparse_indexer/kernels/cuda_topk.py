@@ -49,9 +49,11 @@ def load(path: Optional[str] = None) -> ctypes.CDLL:
     lib.tsi_sparse_topk.argtypes = [vp, ll, i32, i32, vp, i32, i32, vp, i32, vp, up]
     lib.tsi_block_topk.argtypes = [vp, ll, i32, i32, i32, vp, i32, vp, i32, up]
     for f in (lib.tsi_topk, lib.tsi_sparse_topk, lib.tsi_block_topk, lib.tsi_topk_version, lib.tsi_topk_max_k,
-              lib.tsi_topk_smem_keys, lib.tsi_topk_cand_cap, lib.tsi_topk_cluster_max, lib.tsi_topk_set_cluster_mode):
+              lib.tsi_topk_smem_keys, lib.tsi_topk_cand_cap, lib.tsi_topk_cluster_max, lib.tsi_topk_set_cluster_mode,
+              lib.tsi_topk_set_sampled):
         f.restype = ctypes.c_int
     lib.tsi_topk_set_cluster_mode.argtypes = [i32]
+    lib.tsi_topk_set_sampled.argtypes = [i32]
     lib.tsi_topk_error_string.argtypes = [ctypes.c_int]
     lib.tsi_topk_error_string.restype = ctypes.c_char_p
     _lib = lib
@@ -105,6 +107,16 @@ def set_cluster_mode(mode: str) -> str:
     if not available():
         return "auto"
     return CLUSTER_MODES[_lib.tsi_topk_set_cluster_mode(CLUSTER_MODES.index(mode))]
+
+
+def set_sampled(on: bool) -> bool:
+    """Whether rows longer than ``smem_keys`` (one CTA per row) first try a threshold taken from a sample
+    of the row: one read of the row whenever it buffers between ``k`` and ``cand_cap`` elements, else the
+    two-pass path (the default: on). Results are identical either way; only the time differs. Returns
+    the previous setting. For benchmarks and tests that compare the paths."""
+    if not available():
+        return True
+    return bool(_lib.tsi_topk_set_sampled(1 if on else 0))
 
 
 def _stream(t: torch.Tensor) -> int:
