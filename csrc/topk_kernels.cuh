@@ -89,7 +89,7 @@ struct Params {
 
 struct Smem {
   uint32_t hist[NBINS];
-  uint32_t scan[2][MAX_U * NWARPS];
+  alignas(8) uint32_t scan[2][MAX_U * NWARPS];
   uint32_t ctl[8];
   alignas(16) uint32_t region[REGION_WORDS];
 };
@@ -166,6 +166,12 @@ struct Chunks {
     ncols = ncols_;
     nchunks = ncols_ > 0 ? (h + ncols_ + V - 1) / V : 0;
   }
+  // Chunks [c0, c0 + n) all lie inside [0, ncols): load_full() may be used for them (one uniform test per
+  // batch instead of the edge checks per chunk).
+  __device__ __forceinline__ bool full(int c0, int n) const {
+    return c0 >= (h > 0 ? 1 : 0) && (long long)(c0 + n) * V <= (long long)ncols + h;
+  }
+  __device__ __forceinline__ Raw load_full(int c) const { return load16(abase + (long long)c * 16); }
   __device__ __forceinline__ Raw load(int c) const {
     Raw r;
     r.w[0] = r.w[1] = r.w[2] = r.w[3] = 0u;
@@ -205,6 +211,8 @@ struct DenseSrc {
   }
   __device__ __forceinline__ int items() const { return ch.nchunks; }
   __device__ __forceinline__ Raw load(int c) const { return ch.load(c); }
+  __device__ __forceinline__ bool full(int c0, int n) const { return ch.full(c0, n); }
+  __device__ __forceinline__ Raw load_full(int c) const { return ch.load_full(c); }
   __device__ __forceinline__ void elems(const Raw& raw, int c, uint32_t (&key)[E]) const {
     const int col0 = c * E - ch.h;  // items past nchunks have col0 >= m
 #pragma unroll
@@ -215,6 +223,21 @@ struct DenseSrc {
   }
   __device__ __forceinline__ int index(int c, int j) const { return c * E - ch.h + j; }
   __device__ __forceinline__ int pos(int i) const { return off + i; }
+  // Bit j: element j of the item has key >= tau, for a positive threshold tau > key(+0) given as
+  // tlo = tau & 0x7fffffff and span = 0x7f800000 - tlo. Two integer ops per element instead of the key:
+  // key(b) >= tau <=> tlo <= b <= bits(+inf) as unsigned, i.e. (b - tlo) <= span with wrap-around. Columns
+  // outside the row were loaded as +0 bits, which never pass, and neither do negatives or NaNs.
+  __device__ __forceinline__ uint32_t pos_mask(const Raw& raw, uint32_t tlo, uint32_t span) const {
+    uint32_t mk = 0u;
+#pragma unroll
+    for (int j = 0; j < E; ++j) mk |= (uint32_t)(DT<T>::bits(raw.w, j) - tlo <= span) << j;
+    return mk;
+  }
+  // Key of element i (in [0, m)), read from global memory again (the row was just streamed: mostly L2).
+  __device__ __forceinline__ uint32_t key_of(uint32_t i) const {
+    const uint32_t b = DT<T>::load1(ch.row, (long long)i);
+    return f32_key(DT<T>::SIZE == 2 ? b << 16 : b);
+  }
 };
 
 template <typename T>
@@ -237,6 +260,8 @@ struct SparseSrc {
   }
   __device__ __forceinline__ int items() const { return ch.nchunks; }
   __device__ __forceinline__ Raw load(int c) const { return ch.load(c); }
+  __device__ __forceinline__ bool full(int c0, int n) const { return ch.full(c0, n); }
+  __device__ __forceinline__ Raw load_full(int c) const { return ch.load_full(c); }
   __device__ __forceinline__ bool valid_col(int b, int o) const {
     return b >= 0 && (long long)b * cbs + o < len;
   }
@@ -284,6 +309,8 @@ struct BlockVecSrc {
   }
   __device__ __forceinline__ int items() const { return ch.nchunks; }
   __device__ __forceinline__ Raw load(int c) const { return ch.load(c); }
+  __device__ __forceinline__ bool full(int c0, int n) const { return ch.full(c0, n); }
+  __device__ __forceinline__ Raw load_full(int c) const { return ch.load_full(c); }
   __device__ __forceinline__ void elems(const Raw& raw, int c, uint32_t (&key)[1]) const {
     constexpr int V = DT<T>::V;
     uint32_t mx = 0u;
@@ -319,6 +346,8 @@ struct BlockScalarSrc {
     m = (n + cbs - 1) >> p.lcbs;
   }
   __device__ __forceinline__ int items() const { return m; }
+  __device__ __forceinline__ bool full(int, int) const { return false; }
+  __device__ __forceinline__ Raw load_full(int b) const { return load(b); }
   __device__ __forceinline__ Raw load(int b) const {
     Raw r;
     r.w[0] = r.w[1] = r.w[2] = r.w[3] = 0u;
@@ -403,6 +432,44 @@ __device__ __forceinline__ void block_excl_scan_multi(const uint32_t (&v)[U], ui
     }
     ex[u] = run + __shfl_sync(FULL, sw - t, warp) + x[u] - v[u];
     run += __shfl_sync(FULL, sw, 31);
+  }
+  *total = run;
+}
+
+// block_excl_scan_multi for small counts (each v[u] <= 8, U <= 4): the U counts travel packed in 16-bit
+// fields of one 64-bit value (block totals < 2^16), so the CTA scans once instead of U times.
+template <int U>
+__device__ __forceinline__ void block_excl_scan_small(const uint32_t (&v)[U], uint32_t (&ex)[U], uint32_t* total,
+                                                      uint32_t* tmp32) {
+  static_assert(U >= 1 && U <= 4 && THREADS * 8 < 65536, "16-bit fields");
+  static_assert(2 * NWARPS <= MAX_U * NWARPS, "scratch for one 64-bit word per warp");
+  unsigned long long* tmp = reinterpret_cast<unsigned long long*>(tmp32);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned long long mine = 0ull;
+#pragma unroll
+  for (int u = 0; u < U; ++u) mine |= (unsigned long long)v[u] << (16 * u);
+  unsigned long long x = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long y = __shfl_up_sync(FULL, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) tmp[warp] = x;
+  __syncthreads();
+  const unsigned long long t = lane < NWARPS ? tmp[lane] : 0ull;
+  unsigned long long sw = t;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long y = __shfl_up_sync(FULL, sw, o);
+    if (lane >= o) sw += y;
+  }
+  const unsigned long long tot = __shfl_sync(FULL, sw, 31);
+  const unsigned long long e = __shfl_sync(FULL, sw - t, warp) + x - mine;
+  uint32_t run = 0u;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    ex[u] = run + (uint32_t)((e >> (16 * u)) & 0xffffu);
+    run += (uint32_t)((tot >> (16 * u)) & 0xffffu);
   }
   *total = run;
 }
@@ -617,8 +684,13 @@ __device__ __forceinline__ void stream_while(const Src& src, F&& f) {
 #pragma unroll
     for (int u = 0; u < U; ++u) cur[u] = buf[u];
     if (it + 1 < nb) {
+      if (src.full(bn * per, per)) {  // uniform: batches inside the row skip the edge checks
 #pragma unroll
-      for (int u = 0; u < U; ++u) buf[u] = src.load(bn * per + u * THREADS + (int)threadIdx.x);
+        for (int u = 0; u < U; ++u) buf[u] = src.load_full(bn * per + u * THREADS + (int)threadIdx.x);
+      } else {
+#pragma unroll
+        for (int u = 0; u < U; ++u) buf[u] = src.load(bn * per + u * THREADS + (int)threadIdx.x);
+      }
     }
     if (!f(cur, b * per)) return;
     b = bn;
@@ -858,13 +930,13 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   __syncthreads();
   const int sv = (int)sm.ctl[4];
   // The sample rank whose expected count over the row is T (the sample is TILES * ITEMS of n items).
-  long long T = kk, hi = CAND_CAP;  // T = floor(sqrt(k * CAND_CAP)), k <= CAND_CAP
+  int T = kk, hi = CAND_CAP;  // T = floor(sqrt(k * CAND_CAP)), k <= CAND_CAP (all products < 2^31)
   while (T < hi) {
-    const long long mid = (T + hi + 1) >> 1;
-    if (mid * mid <= (long long)kk * CAND_CAP) T = mid;
+    const int mid = (T + hi + 1) >> 1;
+    if (mid * mid <= kk * CAND_CAP) T = mid;
     else hi = mid - 1;
   }
-  long long j = (T * (S::TILES * S::ITEMS) + n - 1) / n;
+  int j = (T * (S::TILES * S::ITEMS) + n - 1) / n;
   j = j < 1 ? 1 : j;
   if (j > sv) return false;
   // tau: the lower edge of the 22-bit bin of the sample's j-th best key (two histogram levels).
@@ -877,39 +949,74 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   uint32_t tau = (B1 << 21) | (sm.ctl[0] << 10);
   tau = tau == 0u ? 1u : tau;  // key 0 is "no element"
   __syncthreads();  // the sample is read; its buffer is overwritten below
+  // Dense rows and a positive threshold (the common case): the cheap bit test of DenseSrc::pos_mask and
+  // only the positions buffered (a loop over the set bits: about 3% of elements pass); their keys are read
+  // back after the pass. Other rows and thresholds: keys computed for every element, as in stream_mode.
+  bool fast = false;
+  if constexpr (Src::KIND == DENSE) fast = tau > 0x80000000u;
+  const uint32_t tlo = tau & 0x7fffffffu, span = 0x7f800000u - tlo;
   int par = 0;
   uint32_t run = 0u;
   stream_while<U, false>(src, [&](const Raw (&cur)[U], int base) {
     uint32_t key[U][Src::E];
-    batch_keys<U>(src, cur, base, key);
-    uint32_t cnt[U], ex[U], tot;
+    uint32_t mask[U], cnt[U], ex[U], tot;
+    if constexpr (Src::KIND == DENSE) {
+      if (fast) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      uint32_t c = 0u;
-#pragma unroll
-      for (int jj = 0; jj < Src::E; ++jj) c += key[u][jj] >= tau;
-      cnt[u] = c;
+        for (int u = 0; u < U; ++u) mask[u] = src.pos_mask(cur[u], tlo, span);
+      }
     }
-    block_excl_scan_multi<U>(cnt, ex, &tot, sm.scan[par]);
+    if (!fast) {
+      batch_keys<U>(src, cur, base, key);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        mask[u] = 0u;
+#pragma unroll
+        for (int jj = 0; jj < Src::E; ++jj) mask[u] |= (uint32_t)(key[u][jj] >= tau) << jj;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) cnt[u] = (uint32_t)__popc(mask[u]);
+    block_excl_scan_small<U>(cnt, ex, &tot, sm.scan[par]);
     par ^= 1;
+    if (fast) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (cnt[u] == 0u) continue;
-      const int c = base + u * THREADS + (int)threadIdx.x;
-      uint32_t o = run + ex[u];
-#pragma unroll
-      for (int jj = 0; jj < Src::E; ++jj) {
-        if (key[u][jj] < tau) continue;
-        if (o < (uint32_t)CAND_CAP) {
-          candK[o] = key[u][jj];
-          candI[o] = (uint32_t)src.index(c, jj);
+      for (int u = 0; u < U; ++u) {
+        const int c = base + u * THREADS + (int)threadIdx.x;
+        uint32_t mk = mask[u], o = run + ex[u];
+        while (mk != 0u) {
+          const int jj = __ffs((int)mk) - 1;
+          mk &= mk - 1u;
+          if (o < (uint32_t)CAND_CAP) candI[o] = (uint32_t)src.index(c, jj);
+          ++o;
         }
-        ++o;
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (mask[u] == 0u) continue;
+        const int c = base + u * THREADS + (int)threadIdx.x;
+        uint32_t o = run + ex[u];
+#pragma unroll
+        for (int jj = 0; jj < Src::E; ++jj) {
+          if (((mask[u] >> jj) & 1u) == 0u) continue;
+          if (o < (uint32_t)CAND_CAP) {
+            candK[o] = key[u][jj];
+            candI[o] = (uint32_t)src.index(c, jj);
+          }
+          ++o;
+        }
       }
     }
     run += tot;
     return run <= (uint32_t)CAND_CAP;  // uniform: tot is the CTA's total
   });
+  if constexpr (Src::KIND == DENSE) {
+    if (fast && run <= (uint32_t)CAND_CAP) {
+      __syncthreads();
+      for (int i = threadIdx.x; i < (int)run; i += THREADS) candK[i] = src.key_of(candI[i]);
+    }
+  }
   __syncthreads();
   if (run < (uint32_t)kk || run > (uint32_t)CAND_CAP) return false;
   const int c = (int)run;

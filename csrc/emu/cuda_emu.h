@@ -188,6 +188,8 @@ inline unsigned __reduce_add_sync(unsigned, unsigned v) {
   for (int i = 0; i < 32; ++i) s += all[i];
   return s;
 }
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __ffs(int v) { return __builtin_ffs(v); }
 inline unsigned atomicAdd(unsigned* a, unsigned v) { return std::atomic_ref<unsigned>(*a).fetch_add(v); }
 template <class T>
 inline T __ldg(const T* p) {
