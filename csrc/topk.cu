@@ -75,15 +75,16 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
 int g_cluster_mode = 1;
 
 // Cluster size and slice width for `rows` dense rows of `width` columns; C = 0 for the one-CTA kernel.
-// Auto: clusters while all of them fit in one wave (two CTAs per SM). Measured on the H200 (NOTES.md):
-// 1 x 128K 75 -> 25 us, but 64 x 128K 78 -> 83 us and 128 x 128K 79 -> 143 us, where a slice's
-// shared-memory passes and cluster barriers cost more than the one-CTA kernel's second read.
+// Auto: clusters while all of them fit on the SMs at one CTA each (rows * C <= SMs). Measured on the H200
+// against the one-CTA kernel with the sampled threshold (NOTES.md): 1 x 128K 26 vs 37 us and 8 x 128K 30 vs
+// 37 us, but 32 x 128K 53 vs 38 us and 128 x 128K 151 vs 45 us, where a slice's shared-memory passes and
+// cluster barriers cost more than the one-CTA kernel's single streamed read.
 void cluster_shape(int rows, int width, int dev, int* C, int* S) {
   *C = 0;
   *S = 0;
   if (g_cluster_mode == 0 || width <= tsi::SMEM_KEYS || width > tsi::CLUSTER_MAX * tsi::SMEM_KEYS) return;
   const int c = (width + tsi::SMEM_KEYS - 1) / tsi::SMEM_KEYS;
-  if (g_cluster_mode == 1 && (long long)rows * c > 2LL * sm_count(dev)) return;
+  if (g_cluster_mode == 1 && (long long)rows * c > (long long)sm_count(dev)) return;
   *C = c;
   *S = (((width + c - 1) / c) + 15) & ~15;  // <= SMEM_KEYS (a multiple of 16)
 }
@@ -183,8 +184,8 @@ int tsi_topk(const void* logits, long long row_stride, int rows, int width, int 
 }
 
 // Cluster mode of tsi_topk (dense rows of smem_keys < width <= cluster_max * smem_keys columns, one
-// read of the row by a cluster of CTAs): 0 = off (one CTA per row, the row read twice), 1 = auto (the
-// default: clusters when rows * cluster size <= 2 * SMs), 2 = always. Returns the previous mode; a value
+// read of the row by a cluster of CTAs): 0 = off (one CTA per row), 1 = auto (the default: clusters when
+// rows * cluster size <= SMs), 2 = always. Returns the previous mode; a value
 // outside 0..2 only queries. For benchmarks and tests; not thread-safe against launches.
 int tsi_topk_set_cluster_mode(int mode) {
   const int prev = g_cluster_mode;

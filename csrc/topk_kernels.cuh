@@ -436,39 +436,49 @@ __device__ __forceinline__ void block_excl_scan_multi(const uint32_t (&v)[U], ui
   *total = run;
 }
 
-// block_excl_scan_multi for small counts (each v[u] <= 8, U <= 4): the U counts travel packed in 16-bit
-// fields of one 64-bit value (block totals < 2^16), so the CTA scans once instead of U times.
-template <int U>
+// block_excl_scan_multi for small counts (each v[u] <= E, U <= 4): within a warp the U counts travel packed
+// in 32 / U-bit fields of one 32-bit value (warp sums <= 32 * E fit), across warps in 16-bit fields of one
+// 64-bit value (CTA sums <= THREADS * E fit), so the CTA scans once instead of U times.
+template <int U, int E>
 __device__ __forceinline__ void block_excl_scan_small(const uint32_t (&v)[U], uint32_t (&ex)[U], uint32_t* total,
                                                       uint32_t* tmp32) {
-  static_assert(U >= 1 && U <= 4 && THREADS * 8 < 65536, "16-bit fields");
+  constexpr int FB = 32 / U;  // field width inside a warp
+  static_assert(U >= 1 && U <= 4 && (U == 1 || 32 * E < (1 << FB)) && THREADS * E < 65536, "packed fields");
   static_assert(2 * NWARPS <= MAX_U * NWARPS, "scratch for one 64-bit word per warp");
   unsigned long long* tmp = reinterpret_cast<unsigned long long*>(tmp32);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  unsigned long long mine = 0ull;
+  uint32_t mine = 0u;
 #pragma unroll
-  for (int u = 0; u < U; ++u) mine |= (unsigned long long)v[u] << (16 * u);
-  unsigned long long x = mine;
+  for (int u = 0; u < U; ++u) mine |= v[u] << (FB * u);
+  uint32_t x = mine;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const unsigned long long y = __shfl_up_sync(FULL, x, o);
+    const uint32_t y = __shfl_up_sync(FULL, x, o);
     if (lane >= o) x += y;
   }
-  if (lane == 31) tmp[warp] = x;
+  if (lane == 31) {
+    unsigned long long w = 0ull;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      w |= (unsigned long long)((x >> (FB * u)) & (FB == 32 ? 0xffffffffu : ((1u << FB) - 1u))) << (16 * u);
+    tmp[warp] = w;
+  }
   __syncthreads();
   const unsigned long long t = lane < NWARPS ? tmp[lane] : 0ull;
   unsigned long long sw = t;
 #pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
+  for (int o = 1; o < NWARPS; o <<= 1) {
     const unsigned long long y = __shfl_up_sync(FULL, sw, o);
     if (lane >= o) sw += y;
   }
-  const unsigned long long tot = __shfl_sync(FULL, sw, 31);
-  const unsigned long long e = __shfl_sync(FULL, sw - t, warp) + x - mine;
+  const unsigned long long tot = __shfl_sync(FULL, sw, NWARPS - 1);
+  const unsigned long long wex = __shfl_sync(FULL, sw - t, warp);
+  const uint32_t lex = x - mine;  // this thread's exclusive prefix inside the warp, packed
   uint32_t run = 0u;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    ex[u] = run + (uint32_t)((e >> (16 * u)) & 0xffffu);
+    const uint32_t lf = (lex >> (FB * u)) & (FB == 32 ? 0xffffffffu : ((1u << FB) - 1u));
+    ex[u] = run + (uint32_t)((wex >> (16 * u)) & 0xffffu) + lf;
     run += (uint32_t)((tot >> (16 * u)) & 0xffffu);
   }
   *total = run;
@@ -977,7 +987,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) cnt[u] = (uint32_t)__popc(mask[u]);
-    block_excl_scan_small<U>(cnt, ex, &tot, sm.scan[par]);
+    block_excl_scan_small<U, Src::E>(cnt, ex, &tot, sm.scan[par]);
     par ^= 1;
     if (fast) {
 #pragma unroll
@@ -1014,7 +1024,19 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   if constexpr (Src::KIND == DENSE) {
     if (fast && run <= (uint32_t)CAND_CAP) {
       __syncthreads();
-      for (int i = threadIdx.x; i < (int)run; i += THREADS) candK[i] = src.key_of(candI[i]);
+      // All of a thread's reads in flight at once (a strided loop would wait for each in turn).
+      constexpr int PER = (CAND_CAP + THREADS - 1) / THREADS;
+      uint32_t kv[PER];
+#pragma unroll
+      for (int q = 0; q < PER; ++q) {
+        const int i = (int)threadIdx.x + q * THREADS;
+        kv[q] = i < (int)run ? src.key_of(candI[i]) : 0u;
+      }
+#pragma unroll
+      for (int q = 0; q < PER; ++q) {
+        const int i = (int)threadIdx.x + q * THREADS;
+        if (i < (int)run) candK[i] = kv[q];
+      }
     }
   }
   __syncthreads();

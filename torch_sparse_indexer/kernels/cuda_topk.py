@@ -99,7 +99,7 @@ CLUSTER_MODES = ("off", "auto", "always")
 
 def set_cluster_mode(mode: str) -> str:
     """How ``topk`` rows of ``smem_keys < width <= cluster_max * smem_keys`` columns run: ``"auto"`` (the
-    default: split over a cluster of CTAs when rows x cluster size fit one wave, two CTAs per SM),
+    default: split over a cluster of CTAs when rows x cluster size <= SMs),
     ``"always"`` or ``"off"`` (one CTA per row). Returns the previous mode. For benchmarks and tests that
     compare the paths."""
     if mode not in CLUSTER_MODES:
