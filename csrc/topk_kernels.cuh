@@ -484,6 +484,29 @@ __device__ __forceinline__ void block_excl_scan_small(const uint32_t (&v)[U], ui
   *total = run;
 }
 
+// Appends a thread's nonzero keys to dst at *count (one shared-memory atomic per warp; any order: for
+// buffers whose histograms are all that is used). Warp-collective.
+template <int N>
+__device__ __forceinline__ void append_nonzero(uint32_t* dst, uint32_t* count, const uint32_t (&key)[N]) {
+  const int lane = threadIdx.x & 31;
+  uint32_t n = 0u;
+#pragma unroll
+  for (int j = 0; j < N; ++j) n += key[j] != 0u;
+  uint32_t incl = n;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t y = __shfl_up_sync(FULL, incl, o);
+    if (lane >= o) incl += y;
+  }
+  uint32_t wbase = 0u;
+  if (lane == 31 && incl) wbase = atomicAdd(count, incl);
+  wbase = __shfl_sync(FULL, wbase, 31);
+  uint32_t o = wbase + incl - n;
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+    if (key[j] != 0u) dst[o++] = key[j];
+}
+
 __device__ __forceinline__ void clear_hist(Smem& sm) {
   for (int i = threadIdx.x; i < NBINS; i += THREADS) sm.hist[i] = 0u;
 }
@@ -843,7 +866,6 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
     } else if (c1 <= (uint32_t)CAND_CAP) {
       // Gather the threshold bin's keys (any order: only their histograms are needed), then refine there.
       const int nv = (m + 3) >> 2;
-      const int lane = threadIdx.x & 31;
       for (int base = 0; base < nv; base += THREADS) {
         const int v = base + (int)threadIdx.x;
         uint32_t key[4] = {0u, 0u, 0u, 0u};
@@ -851,25 +873,9 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
           const uint4 q = *reinterpret_cast<const uint4*>(K + 4 * v);
           key[0] = q.x; key[1] = q.y; key[2] = q.z; key[3] = q.w;
         }
-        uint32_t n = 0u;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          key[j] = (4 * v + j < m && key[j] != 0u && (key[j] >> 21) == B1) ? key[j] : 0u;
-          n += key[j] != 0u;
-        }
-        uint32_t incl = n;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          uint32_t y = __shfl_up_sync(FULL, incl, o);
-          if (lane >= o) incl += y;
-        }
-        uint32_t wbase = 0u;
-        if (lane == 31 && incl) wbase = atomicAdd(&sm.ctl[4], incl);
-        wbase = __shfl_sync(FULL, wbase, 31);
-        uint32_t o = wbase + incl - n;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (key[j] != 0u) candK[o++] = key[j];
+        for (int j = 0; j < 4; ++j) key[j] = (4 * v + j < m && key[j] != 0u && (key[j] >> 21) == B1) ? key[j] : 0u;
+        append_nonzero<4>(candK, &sm.ctl[4], key);
       }
       smem_hist(sm, candK, (int)c1, 11, B1);
       t = resolve(sm, 11, B1, need1, [&](int L, uint32_t P) { smem_hist(sm, candK, (int)c1, L, P); });
@@ -909,7 +915,6 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   if (ntiles < 2 * S::TILES) return false;
   uint32_t* candK = sm.region;
   uint32_t* candI = sm.region + CAND_CAP;
-  const int lane = threadIdx.x & 31;
   if (threadIdx.x == 0) sm.ctl[4] = 0u;
   __syncthreads();
   // The sample's keys, compacted in any order (only their histograms are used).
@@ -917,25 +922,9 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
     const int c = (int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x;
     uint32_t key[Src::E];
     src.elems(src.load(c), c, key);  // warp-collective: every thread calls it
-    uint32_t cnt = 0u;
 #pragma unroll
-    for (int j = 0; j < Src::E; ++j) {
-      key[j] = (int)threadIdx.x < S::ITEMS ? key[j] : 0u;
-      cnt += key[j] != 0u;
-    }
-    uint32_t incl = cnt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const uint32_t y = __shfl_up_sync(FULL, incl, o);
-      if (lane >= o) incl += y;
-    }
-    uint32_t wbase = 0u;
-    if (lane == 31 && incl) wbase = atomicAdd(&sm.ctl[4], incl);
-    wbase = __shfl_sync(FULL, wbase, 31);
-    uint32_t o = wbase + incl - cnt;
-#pragma unroll
-    for (int j = 0; j < Src::E; ++j)
-      if (key[j] != 0u) candK[o++] = key[j];
+    for (int j = 0; j < Src::E; ++j) key[j] = (int)threadIdx.x < S::ITEMS ? key[j] : 0u;
+    append_nonzero<Src::E>(candK, &sm.ctl[4], key);
   }
   __syncthreads();
   const int sv = (int)sm.ctl[4];
