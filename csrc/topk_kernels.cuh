@@ -436,75 +436,42 @@ __device__ __forceinline__ void block_excl_scan_multi(const uint32_t (&v)[U], ui
   *total = run;
 }
 
-// block_excl_scan_multi for small counts (each v[u] <= E, U <= 4): within a warp the U counts travel packed
-// in 32 / U-bit fields of one 32-bit value (warp sums <= 32 * E fit), across warps in 16-bit fields of one
-// 64-bit value (CTA sums <= THREADS * E fit), so the CTA scans once instead of U times.
-template <int U, int E>
+// block_excl_scan_multi for small counts (each v[u] <= 8, U <= 4): the U counts travel packed in 16-bit
+// fields of one 64-bit value (block totals < 2^16), so the CTA scans once instead of U times.
+template <int U>
 __device__ __forceinline__ void block_excl_scan_small(const uint32_t (&v)[U], uint32_t (&ex)[U], uint32_t* total,
                                                       uint32_t* tmp32) {
-  constexpr int FB = 32 / U;  // field width inside a warp
-  static_assert(U >= 1 && U <= 4 && (U == 1 || 32 * E < (1 << FB)) && THREADS * E < 65536, "packed fields");
+  static_assert(U >= 1 && U <= 4 && THREADS * 8 < 65536, "16-bit fields");
   static_assert(2 * NWARPS <= MAX_U * NWARPS, "scratch for one 64-bit word per warp");
   unsigned long long* tmp = reinterpret_cast<unsigned long long*>(tmp32);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t mine = 0u;
+  unsigned long long mine = 0ull;
 #pragma unroll
-  for (int u = 0; u < U; ++u) mine |= v[u] << (FB * u);
-  uint32_t x = mine;
+  for (int u = 0; u < U; ++u) mine |= (unsigned long long)v[u] << (16 * u);
+  unsigned long long x = mine;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t y = __shfl_up_sync(FULL, x, o);
+    const unsigned long long y = __shfl_up_sync(FULL, x, o);
     if (lane >= o) x += y;
   }
-  if (lane == 31) {
-    unsigned long long w = 0ull;
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      w |= (unsigned long long)((x >> (FB * u)) & (FB == 32 ? 0xffffffffu : ((1u << FB) - 1u))) << (16 * u);
-    tmp[warp] = w;
-  }
+  if (lane == 31) tmp[warp] = x;
   __syncthreads();
   const unsigned long long t = lane < NWARPS ? tmp[lane] : 0ull;
   unsigned long long sw = t;
 #pragma unroll
-  for (int o = 1; o < NWARPS; o <<= 1) {
+  for (int o = 1; o < 32; o <<= 1) {
     const unsigned long long y = __shfl_up_sync(FULL, sw, o);
     if (lane >= o) sw += y;
   }
-  const unsigned long long tot = __shfl_sync(FULL, sw, NWARPS - 1);
-  const unsigned long long wex = __shfl_sync(FULL, sw - t, warp);
-  const uint32_t lex = x - mine;  // this thread's exclusive prefix inside the warp, packed
+  const unsigned long long tot = __shfl_sync(FULL, sw, 31);
+  const unsigned long long e = __shfl_sync(FULL, sw - t, warp) + x - mine;
   uint32_t run = 0u;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const uint32_t lf = (lex >> (FB * u)) & (FB == 32 ? 0xffffffffu : ((1u << FB) - 1u));
-    ex[u] = run + (uint32_t)((wex >> (16 * u)) & 0xffffu) + lf;
+    ex[u] = run + (uint32_t)((e >> (16 * u)) & 0xffffu);
     run += (uint32_t)((tot >> (16 * u)) & 0xffffu);
   }
   *total = run;
-}
-
-// Appends a thread's nonzero keys to dst at *count (one shared-memory atomic per warp; any order: for
-// buffers whose histograms are all that is used). Warp-collective.
-template <int N>
-__device__ __forceinline__ void append_nonzero(uint32_t* dst, uint32_t* count, const uint32_t (&key)[N]) {
-  const int lane = threadIdx.x & 31;
-  uint32_t n = 0u;
-#pragma unroll
-  for (int j = 0; j < N; ++j) n += key[j] != 0u;
-  uint32_t incl = n;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t y = __shfl_up_sync(FULL, incl, o);
-    if (lane >= o) incl += y;
-  }
-  uint32_t wbase = 0u;
-  if (lane == 31 && incl) wbase = atomicAdd(count, incl);
-  wbase = __shfl_sync(FULL, wbase, 31);
-  uint32_t o = wbase + incl - n;
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-    if (key[j] != 0u) dst[o++] = key[j];
 }
 
 __device__ __forceinline__ void clear_hist(Smem& sm) {
@@ -866,6 +833,7 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
     } else if (c1 <= (uint32_t)CAND_CAP) {
       // Gather the threshold bin's keys (any order: only their histograms are needed), then refine there.
       const int nv = (m + 3) >> 2;
+      const int lane = threadIdx.x & 31;
       for (int base = 0; base < nv; base += THREADS) {
         const int v = base + (int)threadIdx.x;
         uint32_t key[4] = {0u, 0u, 0u, 0u};
@@ -873,9 +841,25 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
           const uint4 q = *reinterpret_cast<const uint4*>(K + 4 * v);
           key[0] = q.x; key[1] = q.y; key[2] = q.z; key[3] = q.w;
         }
+        uint32_t n = 0u;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) key[j] = (4 * v + j < m && key[j] != 0u && (key[j] >> 21) == B1) ? key[j] : 0u;
-        append_nonzero<4>(candK, &sm.ctl[4], key);
+        for (int j = 0; j < 4; ++j) {
+          key[j] = (4 * v + j < m && key[j] != 0u && (key[j] >> 21) == B1) ? key[j] : 0u;
+          n += key[j] != 0u;
+        }
+        uint32_t incl = n;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          uint32_t y = __shfl_up_sync(FULL, incl, o);
+          if (lane >= o) incl += y;
+        }
+        uint32_t wbase = 0u;
+        if (lane == 31 && incl) wbase = atomicAdd(&sm.ctl[4], incl);
+        wbase = __shfl_sync(FULL, wbase, 31);
+        uint32_t o = wbase + incl - n;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (key[j] != 0u) candK[o++] = key[j];
       }
       smem_hist(sm, candK, (int)c1, 11, B1);
       t = resolve(sm, 11, B1, need1, [&](int L, uint32_t P) { smem_hist(sm, candK, (int)c1, L, P); });
@@ -915,6 +899,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   if (ntiles < 2 * S::TILES) return false;
   uint32_t* candK = sm.region;
   uint32_t* candI = sm.region + CAND_CAP;
+  const int lane = threadIdx.x & 31;
   if (threadIdx.x == 0) sm.ctl[4] = 0u;
   __syncthreads();
   // The sample's keys, compacted in any order (only their histograms are used).
@@ -922,9 +907,25 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
     const int c = (int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x;
     uint32_t key[Src::E];
     src.elems(src.load(c), c, key);  // warp-collective: every thread calls it
+    uint32_t cnt = 0u;
 #pragma unroll
-    for (int j = 0; j < Src::E; ++j) key[j] = (int)threadIdx.x < S::ITEMS ? key[j] : 0u;
-    append_nonzero<Src::E>(candK, &sm.ctl[4], key);
+    for (int j = 0; j < Src::E; ++j) {
+      key[j] = (int)threadIdx.x < S::ITEMS ? key[j] : 0u;
+      cnt += key[j] != 0u;
+    }
+    uint32_t incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint32_t y = __shfl_up_sync(FULL, incl, o);
+      if (lane >= o) incl += y;
+    }
+    uint32_t wbase = 0u;
+    if (lane == 31 && incl) wbase = atomicAdd(&sm.ctl[4], incl);
+    wbase = __shfl_sync(FULL, wbase, 31);
+    uint32_t o = wbase + incl - cnt;
+#pragma unroll
+    for (int j = 0; j < Src::E; ++j)
+      if (key[j] != 0u) candK[o++] = key[j];
   }
   __syncthreads();
   const int sv = (int)sm.ctl[4];
@@ -976,7 +977,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) cnt[u] = (uint32_t)__popc(mask[u]);
-    block_excl_scan_small<U, Src::E>(cnt, ex, &tot, sm.scan[par]);
+    block_excl_scan_small<U>(cnt, ex, &tot, sm.scan[par]);
     par ^= 1;
     if (fast) {
 #pragma unroll
@@ -1013,19 +1014,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   if constexpr (Src::KIND == DENSE) {
     if (fast && run <= (uint32_t)CAND_CAP) {
       __syncthreads();
-      // All of a thread's reads in flight at once (a strided loop would wait for each in turn).
-      constexpr int PER = (CAND_CAP + THREADS - 1) / THREADS;
-      uint32_t kv[PER];
-#pragma unroll
-      for (int q = 0; q < PER; ++q) {
-        const int i = (int)threadIdx.x + q * THREADS;
-        kv[q] = i < (int)run ? src.key_of(candI[i]) : 0u;
-      }
-#pragma unroll
-      for (int q = 0; q < PER; ++q) {
-        const int i = (int)threadIdx.x + q * THREADS;
-        if (i < (int)run) candK[i] = kv[q];
-      }
+      for (int i = threadIdx.x; i < (int)run; i += THREADS) candK[i] = src.key_of(candI[i]);
     }
   }
   __syncthreads();
