@@ -9,6 +9,8 @@
 //  * SMEM mode (at most SMEM_KEYS elements): one read of the row writes every key to shared memory
 //    and builds the coarse 11-bit histogram; refinement passes (11, 11, 10 bits) and the final ordered
 //    compaction run on shared memory only.
+//  * SAMPLED mode (longer rows, tried first): a sample of the row gives a threshold; one pass buffers
+//    the elements above it, the exact selection runs on the buffer (sampled_mode). Else STREAM mode.
 //  * STREAM mode: pass 1 builds the coarse histogram; pass 2 (in reverse order, so the part of the row
 //    read last is still in L2) writes the winners above the threshold bin and the threshold bin's
 //    elements, both in index order, to shared memory; refinement runs on that buffer and the two
@@ -18,7 +20,7 @@
 //  * CLUSTER mode (dense topk rows of SMEM_KEYS < width <= CLUSTER_MAX * SMEM_KEYS, chosen on the host
 //    from the width): a cluster of CTAs splits the row into shared-memory slices (topk_cluster_kernel).
 // Ties at the threshold key go to the lowest indices through block-wide prefix counts in index order
-// (never through atomics order), so results are bitwise reproducible.
+// or bitmaps over the row (never through atomics order), so results are bitwise reproducible.
 #pragma once
 
 #ifdef TSI_EMULATE
@@ -52,6 +54,12 @@ __device__ __forceinline__ T* tsi_cluster_map(T* p, unsigned rank) {
 #endif
 #ifndef TSI_U2  // tiles per batch, two CTAs per SM
 #define TSI_U2 2
+#endif
+#ifndef TSI_UB1  // tiles per batch of the sampled pass that buffers in any order (no block scan), one CTA per SM
+#define TSI_UB1 6
+#endif
+#ifndef TSI_UB2  // the same, two CTAs per SM
+#define TSI_UB2 3
 #endif
 
 namespace tsi {
@@ -233,10 +241,13 @@ struct DenseSrc {
     for (int j = 0; j < E; ++j) mk |= (uint32_t)(DT<T>::bits(raw.w, j) - tlo <= span) << j;
     return mk;
   }
-  // Key of element i (in [0, m)), read from global memory again (the row was just streamed: mostly L2).
-  __device__ __forceinline__ uint32_t key_of(uint32_t i) const {
-    const uint32_t b = DT<T>::load1(ch.row, (long long)i);
-    return f32_key(DT<T>::SIZE == 2 ? b << 16 : b);
+  // Key of element j of a loaded item, for a j known only at run time (selects, not a dynamically indexed
+  // register array, which would go to local memory).
+  __device__ __forceinline__ uint32_t key_in(const Raw& raw, int j) const {
+    uint32_t b = DT<T>::bits(raw.w, 0);
+#pragma unroll
+    for (int q = 1; q < E; ++q) b = j == q ? DT<T>::bits(raw.w, q) : b;
+    return f32_key(b);
   }
 };
 
@@ -436,42 +447,84 @@ __device__ __forceinline__ void block_excl_scan_multi(const uint32_t (&v)[U], ui
   *total = run;
 }
 
-// block_excl_scan_multi for small counts (each v[u] <= 8, U <= 4): the U counts travel packed in 16-bit
-// fields of one 64-bit value (block totals < 2^16), so the CTA scans once instead of U times.
-template <int U>
+// block_excl_scan_multi for small counts (each v[u] <= E, U <= 4): within a warp the U counts travel packed
+// in 32 / U-bit fields of one 32-bit value (warp sums <= 32 * E fit), across warps in 16-bit fields of one
+// 64-bit value (CTA sums <= THREADS * E fit), so the CTA scans once instead of U times.
+template <int U, int E>
 __device__ __forceinline__ void block_excl_scan_small(const uint32_t (&v)[U], uint32_t (&ex)[U], uint32_t* total,
                                                       uint32_t* tmp32) {
-  static_assert(U >= 1 && U <= 4 && THREADS * 8 < 65536, "16-bit fields");
+  constexpr int FB = 32 / U;  // field width inside a warp
+  static_assert(U >= 1 && U <= 4 && (U == 1 || 32 * E < (1 << (FB % 32))) && THREADS * E < 65536, "packed fields");
   static_assert(2 * NWARPS <= MAX_U * NWARPS, "scratch for one 64-bit word per warp");
   unsigned long long* tmp = reinterpret_cast<unsigned long long*>(tmp32);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  unsigned long long mine = 0ull;
+  uint32_t mine = 0u;
 #pragma unroll
-  for (int u = 0; u < U; ++u) mine |= (unsigned long long)v[u] << (16 * u);
-  unsigned long long x = mine;
+  for (int u = 0; u < U; ++u) mine |= v[u] << (FB * u);
+  uint32_t x = mine;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    const unsigned long long y = __shfl_up_sync(FULL, x, o);
+    const uint32_t y = __shfl_up_sync(FULL, x, o);
     if (lane >= o) x += y;
   }
-  if (lane == 31) tmp[warp] = x;
+  if (lane == 31) {
+    unsigned long long w = 0ull;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      w |= (unsigned long long)((x >> (FB * u)) & (FB == 32 ? 0xffffffffu : ((1u << FB) - 1u))) << (16 * u);
+    tmp[warp] = w;
+  }
   __syncthreads();
   const unsigned long long t = lane < NWARPS ? tmp[lane] : 0ull;
   unsigned long long sw = t;
 #pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
+  for (int o = 1; o < NWARPS; o <<= 1) {
     const unsigned long long y = __shfl_up_sync(FULL, sw, o);
     if (lane >= o) sw += y;
   }
-  const unsigned long long tot = __shfl_sync(FULL, sw, 31);
-  const unsigned long long e = __shfl_sync(FULL, sw - t, warp) + x - mine;
+  const unsigned long long tot = __shfl_sync(FULL, sw, NWARPS - 1);
+  const unsigned long long wex = __shfl_sync(FULL, sw - t, warp);
+  const uint32_t lex = x - mine;  // this thread's exclusive prefix inside the warp, packed
   uint32_t run = 0u;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    ex[u] = run + (uint32_t)((e >> (16 * u)) & 0xffffu);
+    const uint32_t lf = (lex >> (FB * u)) & (FB == 32 ? 0xffffffffu : ((1u << FB) - 1u));
+    ex[u] = run + (uint32_t)((wex >> (16 * u)) & 0xffffu) + lf;
     run += (uint32_t)((tot >> (16 * u)) & 0xffffu);
   }
   *total = run;
+}
+
+// Reserves cnt slots for this thread in a buffer filled at *count: one shared-memory atomic per warp, slots
+// contiguous per warp, warps in any order. Returns the thread's first slot; *after = the counter value right
+// after this warp's reservation (the same in every lane). Warp-collective.
+__device__ __forceinline__ uint32_t warp_reserve(uint32_t* count, uint32_t cnt, uint32_t* after) {
+  const int lane = threadIdx.x & 31;
+  uint32_t incl = cnt;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t y = __shfl_up_sync(FULL, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const uint32_t wt = __shfl_sync(FULL, incl, 31);
+  uint32_t wbase = 0u;
+  if (lane == 0 && wt != 0u) wbase = atomicAdd(count, wt);
+  wbase = __shfl_sync(FULL, wbase, 0);
+  *after = wbase + wt;
+  return wbase + incl - cnt;
+}
+
+// Appends a thread's nonzero keys to dst at *count (any order: for buffers whose histograms are all that is
+// used). Warp-collective.
+template <int N>
+__device__ __forceinline__ void append_nonzero(uint32_t* dst, uint32_t* count, const uint32_t (&key)[N]) {
+  uint32_t n = 0u, after;
+#pragma unroll
+  for (int j = 0; j < N; ++j) n += key[j] != 0u;
+  uint32_t o = warp_reserve(count, n, &after);
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+    if (key[j] != 0u) dst[o++] = key[j];
 }
 
 __device__ __forceinline__ void clear_hist(Smem& sm) {
@@ -665,6 +718,80 @@ __device__ void smem_hist(Smem& sm, const uint32_t* keys, int count, int L, uint
   __syncthreads();
 }
 
+// Expected number of elements at or above a sampled threshold: T = floor(sqrt(k * cap)), as far from k as
+// from cap by ratio, so that the buffer of cap elements usually holds all T and T >= k.
+__device__ __forceinline__ int target_count(int kk, int cap) {
+  int T = kk, hi = cap;  // kk <= cap <= 8192: all products < 2^31
+  while (T < hi) {
+    const int mid = (T + hi + 1) >> 1;
+    if (mid * mid <= kk * cap) T = mid;
+    else hi = mid - 1;
+  }
+  return T;
+}
+
+// tau = the lower edge of the 22-bit bin holding the j-th best sample key, from two histogram levels:
+// sample_hist(L, P) builds the sample's histogram as smem_hist does. 0 when the sample has fewer than j keys.
+template <class SampleHist>
+__device__ uint32_t sample_tau(Smem& sm, uint32_t j, SampleHist&& sample_hist) {
+  sample_hist(0, 0u);
+  find_bin<NBINS>(sm, j);
+  if (sm.ctl[3] < j) return 0u;
+  const uint32_t B1 = sm.ctl[0];
+  const uint32_t need = j - sm.ctl[1];
+  sample_hist(11, B1);
+  find_bin<NBINS>(sm, need);
+  const uint32_t tau = (B1 << 21) | (sm.ctl[0] << 10);
+  __syncthreads();  // every thread has read ctl and hist
+  return tau == 0u ? 1u : tau;  // key 0 is "no element"
+}
+
+// Output in index order through bitmaps over element indices [0, 32 * W): G = selected for key > tkey,
+// Q = key == tkey (only the first need_eq of them in index order are taken). emit(rank, index) for each
+// selected element; ranks count G and taken Q elements before it. One block scan; ends without a barrier.
+template <class Emit>
+__device__ void bitmap_emit(Smem& sm, const uint32_t* G, const uint32_t* Q, int W, uint32_t need_eq, Emit&& emit) {
+  const int PW = (W + THREADS - 1) / THREADS;
+  const int w0 = (int)threadIdx.x * PW;
+  const int w1 = w0 + PW < W ? w0 + PW : W;
+  uint32_t ng = 0u, nq = 0u;
+  for (int w = w0; w < w1; ++w) {
+    ng += (uint32_t)__popc(G[w]);
+    nq += need_eq ? (uint32_t)__popc(Q[w]) : 0u;
+  }
+  uint32_t tot;
+  const uint32_t ex = block_excl_scan((ng << 16) | nq, sm.scan[0], &tot);  // both counts <= CAND_CAP < 2^16
+  uint32_t gt = ex >> 16, eq = ex & 0xffffu;
+  for (int w = w0; w < w1; ++w) {
+    const uint32_t g = G[w];
+    uint32_t all = g | (need_eq ? Q[w] : 0u);
+    while (all != 0u) {
+      const int b = __ffs((int)all) - 1;
+      all &= all - 1u;
+      if ((g >> b) & 1u) {
+        emit(gt + (eq < need_eq ? eq : need_eq), 32 * w + b);
+        ++gt;
+      } else {
+        if (eq < need_eq) emit(gt + eq, 32 * w + b);
+        ++eq;
+      }
+    }
+  }
+}
+
+// Sets the bitmap bits of the c buffered candidates (key_at(i), index_at(i)) that the threshold selects.
+// Starts without a barrier, ends with one.
+template <class KeyAt, class IndexAt>
+__device__ void mark_selected(uint32_t* G, uint32_t* Q, int c, const Thresh& t, KeyAt&& key_at, IndexAt&& index_at) {
+  for (int i = threadIdx.x; i < c; i += THREADS) {
+    const uint32_t key = key_at(i);
+    const uint32_t idx = index_at(i);
+    if (is_gt(key, t)) atomicOr(&G[idx >> 5], 1u << (idx & 31u));
+    else if (is_eq(key, t)) atomicOr(&Q[idx >> 5], 1u << (idx & 31u));
+  }
+  __syncthreads();
+}
+
 // Streams items [0, n) in batches of U tiles (item = base + u*THREADS + tid); the next batch's loads
 // are in flight while f(cur, base) runs. REV walks the batches from last to first. f is called
 // uniformly by all threads and returns whether to go on (a uniform value), so a pass can stop early.
@@ -833,7 +960,6 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
     } else if (c1 <= (uint32_t)CAND_CAP) {
       // Gather the threshold bin's keys (any order: only their histograms are needed), then refine there.
       const int nv = (m + 3) >> 2;
-      const int lane = threadIdx.x & 31;
       for (int base = 0; base < nv; base += THREADS) {
         const int v = base + (int)threadIdx.x;
         uint32_t key[4] = {0u, 0u, 0u, 0u};
@@ -841,25 +967,9 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
           const uint4 q = *reinterpret_cast<const uint4*>(K + 4 * v);
           key[0] = q.x; key[1] = q.y; key[2] = q.z; key[3] = q.w;
         }
-        uint32_t n = 0u;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          key[j] = (4 * v + j < m && key[j] != 0u && (key[j] >> 21) == B1) ? key[j] : 0u;
-          n += key[j] != 0u;
-        }
-        uint32_t incl = n;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          uint32_t y = __shfl_up_sync(FULL, incl, o);
-          if (lane >= o) incl += y;
-        }
-        uint32_t wbase = 0u;
-        if (lane == 31 && incl) wbase = atomicAdd(&sm.ctl[4], incl);
-        wbase = __shfl_sync(FULL, wbase, 31);
-        uint32_t o = wbase + incl - n;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (key[j] != 0u) candK[o++] = key[j];
+        for (int j = 0; j < 4; ++j) key[j] = (4 * v + j < m && key[j] != 0u && (key[j] >> 21) == B1) ? key[j] : 0u;
+        append_nonzero<4>(candK, &sm.ctl[4], key);
       }
       smem_hist(sm, candK, (int)c1, 11, B1);
       t = resolve(sm, 11, B1, need1, [&](int L, uint32_t P) { smem_hist(sm, candK, (int)c1, L, P); });
@@ -890,7 +1000,94 @@ struct Sample {
   static_assert(TILES * ITEMS * Src::E <= CAND_CAP, "the sample fits the key buffer");
 };
 
-template <int U, class Src>
+// Rows of at most BITMAP_ELEMS elements buffer their candidates in any order (one shared-memory atomic per
+// warp and batch, no block-wide scan or barrier per batch) and are put in index order at the end by bitmaps
+// over the row (two of LIST_CAP words after the key and index buffers); longer rows keep the ordered pass.
+constexpr int BITMAP_ELEMS = 32 * LIST_CAP;
+
+// One batch of the sampled pass: buffers the batch's elements with key >= tau (fast: from the raw-bit test)
+// with their keys at the end of the buffer. ANY_ORDER: slots reserved per warp (no barrier; the counter is
+// sm.ctl[4]); else in index order through one block scan (the counter is run). Returns whether the buffer
+// still holds every element so far (warp-uniform, resp. CTA-uniform).
+template <int U, bool ANY_ORDER, class Src>
+__device__ __forceinline__ bool sampled_batch(Smem& sm, const Src& src, const Raw (&cur)[U], int base, bool fast,
+                                              uint32_t tau, int& par, uint32_t& run) {
+  static_assert(U * THREADS * Src::E < 65536, "batch counts");
+  uint32_t* candK = sm.region;
+  uint32_t* candI = sm.region + CAND_CAP;
+  uint32_t key[U][Src::E];
+  uint32_t mask[U], cnt[U];
+  if constexpr (Src::KIND == DENSE) {
+    if (fast) {
+      const uint32_t tlo = tau & 0x7fffffffu, span = 0x7f800000u - tlo;
+#pragma unroll
+      for (int u = 0; u < U; ++u) mask[u] = src.pos_mask(cur[u], tlo, span);
+    }
+  }
+  if (!fast) {
+    batch_keys<U>(src, cur, base, key);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      mask[u] = 0u;
+#pragma unroll
+      for (int jj = 0; jj < Src::E; ++jj) mask[u] |= (uint32_t)(key[u][jj] >= tau) << jj;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) cnt[u] = (uint32_t)__popc(mask[u]);
+  uint32_t o[U];
+  bool go_on;
+  if constexpr (ANY_ORDER) {
+    uint32_t all = 0u, after;
+#pragma unroll
+    for (int u = 0; u < U; ++u) all += cnt[u];
+    o[0] = warp_reserve(&sm.ctl[4], all, &after);
+#pragma unroll
+    for (int u = 1; u < U; ++u) o[u] = o[u - 1] + cnt[u - 1];
+    go_on = after <= (uint32_t)CAND_CAP;
+  } else {
+    uint32_t ex[U], tot;
+    block_excl_scan_small<U, Src::E>(cnt, ex, &tot, sm.scan[par]);
+    par ^= 1;
+#pragma unroll
+    for (int u = 0; u < U; ++u) o[u] = run + ex[u];
+    run += tot;
+    go_on = run <= (uint32_t)CAND_CAP;
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (mask[u] == 0u) continue;
+    const int c = base + u * THREADS + (int)threadIdx.x;
+    uint32_t oo = o[u];
+    if (fast) {  // a loop over the set bits only (about 3% of elements)
+      if constexpr (Src::KIND == DENSE) {
+        uint32_t mk = mask[u];
+        while (mk != 0u) {
+          const int jj = __ffs((int)mk) - 1;
+          mk &= mk - 1u;
+          if (oo < (uint32_t)CAND_CAP) {
+            candK[oo] = src.key_in(cur[u], jj);
+            candI[oo] = (uint32_t)src.index(c, jj);
+          }
+          ++oo;
+        }
+      }
+    } else {  // static indices: key[][] stays in registers
+#pragma unroll
+      for (int jj = 0; jj < Src::E; ++jj) {
+        if (((mask[u] >> jj) & 1u) == 0u) continue;
+        if (oo < (uint32_t)CAND_CAP) {
+          candK[oo] = key[u][jj];
+          candI[oo] = (uint32_t)src.index(c, jj);
+        }
+        ++oo;
+      }
+    }
+  }
+  return go_on;
+}
+
+template <int U, int UB, class Src>
 __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   static_assert(U * THREADS * Src::E < 65536, "batch counts");
   using S = Sample<Src>;
@@ -899,7 +1096,8 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   if (ntiles < 2 * S::TILES) return false;
   uint32_t* candK = sm.region;
   uint32_t* candI = sm.region + CAND_CAP;
-  const int lane = threadIdx.x & 31;
+  uint32_t* G = sm.region + 2 * CAND_CAP;
+  uint32_t* Q = G + LIST_CAP;
   if (threadIdx.x == 0) sm.ctl[4] = 0u;
   __syncthreads();
   // The sample's keys, compacted in any order (only their histograms are used).
@@ -907,123 +1105,54 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
     const int c = (int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x;
     uint32_t key[Src::E];
     src.elems(src.load(c), c, key);  // warp-collective: every thread calls it
-    uint32_t cnt = 0u;
 #pragma unroll
-    for (int j = 0; j < Src::E; ++j) {
-      key[j] = (int)threadIdx.x < S::ITEMS ? key[j] : 0u;
-      cnt += key[j] != 0u;
-    }
-    uint32_t incl = cnt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const uint32_t y = __shfl_up_sync(FULL, incl, o);
-      if (lane >= o) incl += y;
-    }
-    uint32_t wbase = 0u;
-    if (lane == 31 && incl) wbase = atomicAdd(&sm.ctl[4], incl);
-    wbase = __shfl_sync(FULL, wbase, 31);
-    uint32_t o = wbase + incl - cnt;
-#pragma unroll
-    for (int j = 0; j < Src::E; ++j)
-      if (key[j] != 0u) candK[o++] = key[j];
+    for (int j = 0; j < Src::E; ++j) key[j] = (int)threadIdx.x < S::ITEMS ? key[j] : 0u;
+    append_nonzero<Src::E>(candK, &sm.ctl[4], key);
   }
   __syncthreads();
   const int sv = (int)sm.ctl[4];
   // The sample rank whose expected count over the row is T (the sample is TILES * ITEMS of n items).
-  int T = kk, hi = CAND_CAP;  // T = floor(sqrt(k * CAND_CAP)), k <= CAND_CAP (all products < 2^31)
-  while (T < hi) {
-    const int mid = (T + hi + 1) >> 1;
-    if (mid * mid <= kk * CAND_CAP) T = mid;
-    else hi = mid - 1;
-  }
-  int j = (T * (S::TILES * S::ITEMS) + n - 1) / n;
+  int j = (target_count(kk, CAND_CAP) * (S::TILES * S::ITEMS) + n - 1) / n;
   j = j < 1 ? 1 : j;
   if (j > sv) return false;
-  // tau: the lower edge of the 22-bit bin of the sample's j-th best key (two histogram levels).
-  smem_hist(sm, candK, sv, 0, 0u);
-  find_bin<NBINS>(sm, (uint32_t)j);
-  const uint32_t B1 = sm.ctl[0];
-  const uint32_t need = (uint32_t)j - sm.ctl[1];
-  smem_hist(sm, candK, sv, 11, B1);
-  find_bin<NBINS>(sm, need);
-  uint32_t tau = (B1 << 21) | (sm.ctl[0] << 10);
-  tau = tau == 0u ? 1u : tau;  // key 0 is "no element"
-  __syncthreads();  // the sample is read; its buffer is overwritten below
-  // Dense rows and a positive threshold (the common case): the cheap bit test of DenseSrc::pos_mask and
-  // only the positions buffered (a loop over the set bits: about 3% of elements pass); their keys are read
-  // back after the pass. Other rows and thresholds: keys computed for every element, as in stream_mode.
+  const uint32_t tau = sample_tau(sm, (uint32_t)j, [&](int L, uint32_t P) { smem_hist(sm, candK, sv, L, P); });
+  // Dense rows and a positive threshold (the common case): the cheap bit test of DenseSrc::pos_mask, keys
+  // computed only for the elements that pass (a loop over the set bits: about 3% of them). Other rows and
+  // thresholds: keys computed for every element, as in stream_mode. (Buffering positions only and reading
+  // their keys back after the pass cost a quarter more DRAM traffic: 32-byte sectors for 4-byte keys, mostly
+  // evicted from L2 by then.)
   bool fast = false;
   if constexpr (Src::KIND == DENSE) fast = tau > 0x80000000u;
-  const uint32_t tlo = tau & 0x7fffffffu, span = 0x7f800000u - tlo;
+  const bool bitmap = src.m <= BITMAP_ELEMS;
+  const int W = (src.m + 31) >> 5;
+  if (threadIdx.x == 0) sm.ctl[4] = 0u;
+  if (bitmap)
+    for (int w = threadIdx.x; w < W; w += THREADS) G[w] = Q[w] = 0u;
+  __syncthreads();
   int par = 0;
   uint32_t run = 0u;
-  stream_while<U, false>(src, [&](const Raw (&cur)[U], int base) {
-    uint32_t key[U][Src::E];
-    uint32_t mask[U], cnt[U], ex[U], tot;
-    if constexpr (Src::KIND == DENSE) {
-      if (fast) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) mask[u] = src.pos_mask(cur[u], tlo, span);
-      }
-    }
-    if (!fast) {
-      batch_keys<U>(src, cur, base, key);
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        mask[u] = 0u;
-#pragma unroll
-        for (int jj = 0; jj < Src::E; ++jj) mask[u] |= (uint32_t)(key[u][jj] >= tau) << jj;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) cnt[u] = (uint32_t)__popc(mask[u]);
-    block_excl_scan_small<U>(cnt, ex, &tot, sm.scan[par]);
-    par ^= 1;
-    if (fast) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = base + u * THREADS + (int)threadIdx.x;
-        uint32_t mk = mask[u], o = run + ex[u];
-        while (mk != 0u) {
-          const int jj = __ffs((int)mk) - 1;
-          mk &= mk - 1u;
-          if (o < (uint32_t)CAND_CAP) candI[o] = (uint32_t)src.index(c, jj);
-          ++o;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        if (mask[u] == 0u) continue;
-        const int c = base + u * THREADS + (int)threadIdx.x;
-        uint32_t o = run + ex[u];
-#pragma unroll
-        for (int jj = 0; jj < Src::E; ++jj) {
-          if (((mask[u] >> jj) & 1u) == 0u) continue;
-          if (o < (uint32_t)CAND_CAP) {
-            candK[o] = key[u][jj];
-            candI[o] = (uint32_t)src.index(c, jj);
-          }
-          ++o;
-        }
-      }
-    }
-    run += tot;
-    return run <= (uint32_t)CAND_CAP;  // uniform: tot is the CTA's total
-  });
-  if constexpr (Src::KIND == DENSE) {
-    if (fast && run <= (uint32_t)CAND_CAP) {
-      __syncthreads();
-      for (int i = threadIdx.x; i < (int)run; i += THREADS) candK[i] = src.key_of(candI[i]);
-    }
+  if (bitmap) {
+    stream_while<UB, false>(src, [&](const Raw (&cur)[UB], int base) {
+      return sampled_batch<UB, true>(sm, src, cur, base, fast, tau, par, run);
+    });
+  } else {
+    stream_while<U, false>(src, [&](const Raw (&cur)[U], int base) {
+      return sampled_batch<U, false>(sm, src, cur, base, fast, tau, par, run);
+    });
   }
   __syncthreads();
-  if (run < (uint32_t)kk || run > (uint32_t)CAND_CAP) return false;
-  const int c = (int)run;
+  const uint32_t cnt = bitmap ? sm.ctl[4] : run;
+  if (cnt < (uint32_t)kk || cnt > (uint32_t)CAND_CAP) return false;
+  const int c = (int)cnt;
   smem_hist(sm, candK, c, 0, 0u);
   const Thresh t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, candK, c, L, P); });
   __syncthreads();
-  smem_select(sm, par, candK, c, t, [&](uint32_t rank, int i) { out[rank] = src.pos((int)candI[i]); });
+  if (bitmap) {
+    mark_selected(G, Q, c, t, [&](int i) { return candK[i]; }, [&](int i) { return candI[i]; });
+    bitmap_emit(sm, G, Q, W, t.need_eq, [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
+  } else {
+    smem_select(sm, par, candK, c, t, [&](uint32_t rank, int i) { out[rank] = src.pos((int)candI[i]); });
+  }
   return true;
 }
 
@@ -1273,6 +1402,8 @@ template <class Src, int MINB>
 __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
   // bf16 items carry 8 keys: half as many tiles per batch keeps them in registers.
   constexpr int U = (MINB == 1 ? TSI_U1 : TSI_U2) / (Src::E == 8 ? 2 : 1);
+  constexpr int UB0 = MINB == 1 ? TSI_UB1 : TSI_UB2;
+  constexpr int UB = Src::E == 8 ? (UB0 + 1) / 2 : UB0;  // no scan: more in flight
   static_assert(U <= MAX_U, "scan scratch");
   TSI_DYN_SMEM(smem_raw);
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -1286,7 +1417,7 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
   }
   if (src.m <= SMEM_KEYS) {
     smem_mode<U>(sm, src, out, kk);
-  } else if (!(p.sampled && sampled_mode<U>(sm, src, out, kk))) {
+  } else if (!(p.sampled && sampled_mode<U, UB>(sm, src, out, kk))) {
     __syncthreads();
     stream_mode<U>(sm, src, out, kk);
   }

@@ -43,6 +43,7 @@ gpu_only = pytest.mark.skipif(bool(EMU), reason="needs a real GPU")
 W_SMALL, W_SMEM = 1000, SMEM_KEYS - 1
 W_STREAM = max(CLUSTER_MAX * SMEM_KEYS + 5, 131072 + 5 if not EMU else 20003)
 W_CLUSTER = 3 * SMEM_KEYS + 7  # four slices, the last one partial
+W_BITMAP = 32 * MAXK  # the longest rows whose sampled pass buffers in any order (bitmap output)
 WIDTHS = [W_SMALL, 4097, W_SMEM, SMEM_KEYS + 3, W_STREAM]
 KS = sorted({min(k, MAXK) for k in (1, 7, 512, 1024, 2048, 4096)})
 
@@ -57,8 +58,9 @@ def cluster(request):
 
 @pytest.fixture(params=[True, False], ids=["sampled", "two_pass"])
 def sampled(request):
-    """Runs a test with streamed rows trying the sampled threshold first (the default), then with the
-    two-pass path only. Both must give the reference's exact output."""
+    """Runs a test with one-CTA rows trying the sampled threshold first (the default), then without it
+    (streamed rows: the two-pass path; shared-memory rows: the full histogram). Both must give the
+    reference's exact output."""
     prev = ct.set_sampled(request.param)
     yield request.param
     ct.set_sampled(prev)
@@ -158,7 +160,7 @@ def test_topk_random(dtype, W, k, gen, cluster):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("W", [W_SMEM, W_CLUSTER, W_STREAM])
+@pytest.mark.parametrize("W", [W_SMEM, W_CLUSTER, W_BITMAP, W_BITMAP + 1, W_STREAM])
 def test_topk_patterns(dtype, pattern, W, gen, sampled):
     for k in sorted({1, min(100, MAXK), min(2048, MAXK), MAXK}):
         lens = _lengths(W, k, gen, extra_rows=1).to(DEV)
@@ -229,11 +231,12 @@ def test_topk_cluster_slices(W, pattern, gen, cluster_always):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("skew", ["ascending", "descending", "hot_quarter", "hot_sparse", "lengths"])
-def test_topk_unrepresentative_sample(dtype, skew, gen, sampled):
-    """Streamed rows whose sample (tiles spread over the row) misjudges the threshold: far too low
-    (more than cand_cap elements above it: the pass stops and the two-pass path runs), far too high
-    (fewer than k above it), or drawn from mostly invalid columns. Exact either way."""
-    W = W_STREAM
+@pytest.mark.parametrize("W", [W_SMEM, W_BITMAP, W_STREAM])
+def test_topk_unrepresentative_sample(dtype, skew, W, gen, sampled):
+    """Rows whose sample (tiles spread over a streamed row; every fourth key of a shared-memory row)
+    misjudges the threshold: far too low (more than the buffer holds above it: the pass stops and the
+    unsampled path runs), far too high (fewer than k above it), or drawn from mostly invalid columns.
+    Exact either way."""
     R = 4
     x = torch.randn(R, W, generator=gen)
     lens = torch.tensor([W, W - 17, W // 2 + 3, SMEM_KEYS + 9], dtype=torch.int32)

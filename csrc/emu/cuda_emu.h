@@ -195,3 +195,4 @@ template <class T>
 inline T __ldg(const T* p) {
   return *p;
 }
+inline unsigned atomicOr(unsigned* a, unsigned v) { return std::atomic_ref<unsigned>(*a).fetch_or(v); }
