@@ -123,7 +123,7 @@ cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int dev, int C,
 #endif
 }
 
-// One-CTA rows try the sampled threshold first (see sampled_mode, smem_sampled): 1 = on (default).
+// Streamed rows try the sampled threshold first (one read of the row; see sampled_mode): 1 = on (default).
 int g_sampled = 1;
 
 // The fields every op sets; sparse_topk and block_topk add theirs.
@@ -194,10 +194,10 @@ int tsi_topk_set_cluster_mode(int mode) {
 }
 int tsi_topk_cluster_max() { return tsi::CLUSTER_MAX; }
 
-// One-CTA rows: 1 = try the sampled threshold first (the default; streamed rows: one read of the row when
-// the sample's threshold buffers between k and cand_cap elements, else the two-pass path; shared-memory
-// rows: no histogram of the whole row, else the full histogram), 0 = never. The result is the same either
-// way. Returns the previous setting; a value other than 0 or 1 only queries. For benchmarks and tests.
+// Streamed rows (more than smem_keys elements, one CTA per row): 1 = try the sampled threshold first (the
+// default: one read of the row when the sample's threshold buffers between k and cand_cap elements, else
+// the two-pass path), 0 = always the two-pass path. The result is the same either way. Returns the
+// previous setting; a value other than 0 or 1 only queries. For benchmarks and tests.
 int tsi_topk_set_sampled(int on) {
   const int prev = g_sampled;
   if (on == 0 || on == 1) g_sampled = on;

@@ -58,9 +58,8 @@ def cluster(request):
 
 @pytest.fixture(params=[True, False], ids=["sampled", "two_pass"])
 def sampled(request):
-    """Runs a test with one-CTA rows trying the sampled threshold first (the default), then without it
-    (streamed rows: the two-pass path; shared-memory rows: the full histogram). Both must give the
-    reference's exact output."""
+    """Runs a test with streamed rows trying the sampled threshold first (the default), then with the
+    two-pass path only. Both must give the reference's exact output."""
     prev = ct.set_sampled(request.param)
     yield request.param
     ct.set_sampled(prev)
@@ -233,10 +232,10 @@ def test_topk_cluster_slices(W, pattern, gen, cluster_always):
 @pytest.mark.parametrize("skew", ["ascending", "descending", "hot_quarter", "hot_sparse", "lengths"])
 @pytest.mark.parametrize("W", [W_SMEM, W_BITMAP, W_STREAM])
 def test_topk_unrepresentative_sample(dtype, skew, W, gen, sampled):
-    """Rows whose sample (tiles spread over a streamed row; every fourth key of a shared-memory row)
-    misjudges the threshold: far too low (more than the buffer holds above it: the pass stops and the
-    unsampled path runs), far too high (fewer than k above it), or drawn from mostly invalid columns.
-    Exact either way."""
+    """Streamed rows whose sample (tiles spread over the row) misjudges the threshold: far too low (more
+    than cand_cap elements above it: the pass stops and the two-pass path runs), far too high (fewer
+    than k above it), or drawn from mostly invalid columns; rows on both sides of the bitmap limit, and
+    shared-memory rows, which never sample. Exact either way."""
     R = 4
     x = torch.randn(R, W, generator=gen)
     lens = torch.tensor([W, W - 17, W // 2 + 3, SMEM_KEYS + 9], dtype=torch.int32)

@@ -110,11 +110,10 @@ def set_cluster_mode(mode: str) -> str:
 
 
 def set_sampled(on: bool) -> bool:
-    """Whether one-CTA rows first try a threshold taken from a sample of the row (the default: on). Rows
-    longer than ``smem_keys``: one read of the row whenever it buffers between ``k`` and ``cand_cap``
-    elements, else the two-pass path; shared-memory rows: no histogram of the whole row, else the full
-    histogram. Results are identical either way; only the time differs. Returns the previous setting. For
-    benchmarks and tests that compare the paths."""
+    """Whether rows longer than ``smem_keys`` (one CTA per row) first try a threshold taken from a sample
+    of the row: one read of the row whenever it buffers between ``k`` and ``cand_cap`` elements, else the
+    two-pass path (the default: on). Results are identical either way; only the time differs. Returns
+    the previous setting. For benchmarks and tests that compare the paths."""
     if not available():
         return True
     return bool(_lib.tsi_topk_set_sampled(1 if on else 0))
