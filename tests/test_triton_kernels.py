@@ -217,6 +217,29 @@ def test_mqa_logits(fmt, D, H, seed, gen):
         _check(lambda out: ops.mqa_logits(q, qs, k, ksc, w, ks, ke, out), ref)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_mxfp4_group_scales_far_apart(D, gen):
+    """MXFP4 on SM90 folds each token's (and each query head's) group scales into the e4m3 operands,
+    relative to a base within 11 binades of the largest group; a group further below is flushed. Groups
+    2^-3 .. 2^+12 and 2^-40 apart, per token and per head, must still score within the contract."""
+    T, N, H = 6, 300, 16
+    x = torch.randn(N, D, generator=gen)
+    spread = torch.tensor([2.0 ** -3, 2.0 ** 12, 2.0 ** -40, 1.0])[: D // 32]
+    x[: N // 2] = (x[: N // 2].view(N // 2, D // 32, 32) * spread[None, :, None]).view(N // 2, D)
+    x[N // 2:: 3, :32] *= 2.0 ** 20
+    k, ksc = formats.quantize_rows(x.to(DEV), "mxfp4")
+    q = torch.randn(T, H, D, generator=gen)
+    q[:, ::2] = (q[:, ::2].view(T, H // 2, D // 32, 32) * spread.flip(0)[None, None, :, None]).view(T, H // 2, D)
+    w = torch.randn(T, H, generator=gen) * H ** -0.5
+    qv, qs, wf = formats.quantize_q(q.to(DEV), w.to(DEV), "mxfp4")
+    ks = torch.zeros(T, dtype=torch.int32, device=DEV)
+    ke = torch.full((T,), N, dtype=torch.int32, device=DEV)
+    ref = torch.empty(T, N, device=DEV)
+    reference.mqa_logits(qv, qs, k, ksc, wf, ks, ke, ref)
+    with backends.use_backend("triton"):
+        _check(lambda out: ops.mqa_logits(qv, qs, k, ksc, wf, ks, ke, out), ref)
+
+
 @pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
 @pytest.mark.parametrize("pair", [True, False], ids=["pair", "rows"])
 def test_sparse_mqa_logits(fmt, D, H, pair, seed, gen):
