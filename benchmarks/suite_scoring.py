@@ -160,20 +160,6 @@ def bench_decode(rows, quick):
                  tflops=2 * B * nbk * CBS * H * D / t / 1e6,
                  target=f"<= {tgt} us" if ctx == 131072 and B == 128 else "",
                  meets=(t <= tgt) if ctx == 131072 and B == 128 else "", check=f"diff_vs_ref={chk:.2e}")
-            if fmt == "mxfp4" and ctx == 131072 and ts.MXFP4_FOLD:
-                # the unfolded SM90 path (one MMA and an fp32 scale per 32-element group), same process
-                ts.MXFP4_FOLD = False
-                try:
-                    fn()
-                    torch.cuda.synchronize()
-                    chk_g = _ref_rows_diff(out, lambda ref: reference.paged_sparse_mqa_logits(
-                        qs.q[:4], qs.q_scale[:4], cache, qs.weights[:4], lens[:4], bt[:4], None, cand[:4], CBS, ref), 4)
-                    tg = _t(fn)
-                finally:
-                    ts.MXFP4_FOLD = True
-                _row(rows, op="paged_sparse_mqa_logits", impl="triton groups", fmt=fmt, shape=shape, B=B, ctx=ctx,
-                     time_us=tg, floor_us=common.floor_us(kbytes), tbps=kbytes / tg / 1e6,
-                     check=f"diff_vs_ref={chk_g:.2e}")
             if ctx == 131072 and B == 128 and not FAST:
                 _sweep_rows(rows, fn, op="paged_sparse_mqa_logits", fmt=fmt, shape=shape, B=B, ctx=ctx,
                             floor=common.floor_us(kbytes), nbytes=kbytes)

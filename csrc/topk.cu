@@ -156,6 +156,19 @@ int tsi_topk_max_k() { return tsi::LIST_CAP; }
 // Tuning constants, exported so tests can aim at each path: rows of at most smem_keys elements are
 // selected in shared memory; longer rows buffer at most cand_cap threshold-bin elements.
 int tsi_topk_smem_keys() { return tsi::SMEM_KEYS; }
+
+// Development builds with -DTSI_PHASE_TIMING: the clock64() values block 0 recorded at its numbered points
+// (out: 32 values; see TSI_MARK in topk_kernels.cuh), then clears them. Returns -1 in other builds.
+int tsi_topk_phase_cycles(unsigned long long* out) {
+#if defined(TSI_PHASE_TIMING) && !defined(TSI_EMULATE)
+  static const unsigned long long zero[32] = {};
+  const cudaError_t e = cudaMemcpyFromSymbol(out, tsi::g_phase, sizeof(tsi::g_phase));
+  return (int)(e != cudaSuccess ? e : cudaMemcpyToSymbol(tsi::g_phase, zero, sizeof(zero)));
+#else
+  (void)out;
+  return -1;
+#endif
+}
 int tsi_topk_cand_cap() { return tsi::CAND_CAP; }
 
 const char* tsi_topk_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }

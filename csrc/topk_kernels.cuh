@@ -56,13 +56,27 @@ __device__ __forceinline__ T* tsi_cluster_map(T* p, unsigned rank) {
 #define TSI_U2 2
 #endif
 #ifndef TSI_UB1  // tiles per batch of the sampled pass that buffers in any order (no block scan), one CTA per SM
-#define TSI_UB1 6
+#define TSI_UB1 8
 #endif
 #ifndef TSI_UB2  // the same, two CTAs per SM
-#define TSI_UB2 3
+#define TSI_UB2 4
 #endif
 
 namespace tsi {
+
+// Phase timing for development (-DTSI_PHASE_TIMING builds only): thread 0 of block 0 records clock64() at
+// numbered points of its row; tsi_topk_phase_cycles() reads them back. Compiled out otherwise.
+#if defined(TSI_PHASE_TIMING) && !defined(TSI_EMULATE)
+__device__ unsigned long long g_phase[32];
+#define TSI_MARK(i)                                                        \
+  do {                                                                     \
+    if (blockIdx.x == 0 && threadIdx.x == 0) g_phase[(i)] = clock64();     \
+  } while (0)
+#else
+#define TSI_MARK(i) \
+  do {              \
+  } while (0)
+#endif
 
 constexpr int THREADS = TSI_THREADS;
 constexpr int NWARPS = THREADS / 32;
@@ -941,8 +955,11 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
   uint32_t* candK = sm.region + SMEM_KEYS;
   const int m = src.m;
   int par = 0;
+  TSI_MARK(10);
   keys_to_smem<U>(sm, src, K);
+  TSI_MARK(11);
   find_bin<NBINS>(sm, (uint32_t)kk);
+  TSI_MARK(12);
   const uint32_t total = sm.ctl[3];
   Thresh t;
   int r;
@@ -978,8 +995,10 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
     }
   }
   __syncthreads();
+  TSI_MARK(13);
   smem_select(sm, par, K, m, t, [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
   pad_out(out, r, kk);
+  TSI_MARK(14);
 }
 
 // Sampled threshold (streamed rows): one read of the row instead of two, and no histogram atomics over
@@ -1098,6 +1117,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   uint32_t* candI = sm.region + CAND_CAP;
   uint32_t* G = sm.region + 2 * CAND_CAP;
   uint32_t* Q = G + LIST_CAP;
+  TSI_MARK(0);
   if (threadIdx.x == 0) sm.ctl[4] = 0u;
   __syncthreads();
   // The sample's keys, compacted in any order (only their histograms are used).
@@ -1110,6 +1130,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
     append_nonzero<Src::E>(candK, &sm.ctl[4], key);
   }
   __syncthreads();
+  TSI_MARK(1);
   const int sv = (int)sm.ctl[4];
   // The sample rank whose expected count over the row is T (the sample is TILES * ITEMS of n items).
   int j = (target_count(kk, CAND_CAP) * (S::TILES * S::ITEMS) + n - 1) / n;
@@ -1129,6 +1150,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   if (bitmap)
     for (int w = threadIdx.x; w < W; w += THREADS) G[w] = Q[w] = 0u;
   __syncthreads();
+  TSI_MARK(2);
   int par = 0;
   uint32_t run = 0u;
   if (bitmap) {
@@ -1141,18 +1163,21 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
     });
   }
   __syncthreads();
+  TSI_MARK(3);
   const uint32_t cnt = bitmap ? sm.ctl[4] : run;
   if (cnt < (uint32_t)kk || cnt > (uint32_t)CAND_CAP) return false;
   const int c = (int)cnt;
   smem_hist(sm, candK, c, 0, 0u);
   const Thresh t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, candK, c, L, P); });
   __syncthreads();
+  TSI_MARK(4);
   if (bitmap) {
     mark_selected(G, Q, c, t, [&](int i) { return candK[i]; }, [&](int i) { return candI[i]; });
     bitmap_emit(sm, G, Q, W, t.need_eq, [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
   } else {
     smem_select(sm, par, candK, c, t, [&](uint32_t rank, int i) { out[rank] = src.pos((int)candI[i]); });
   }
+  TSI_MARK(5);
   return true;
 }
 

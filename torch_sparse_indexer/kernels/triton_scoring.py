@@ -44,9 +44,6 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Nibble -> e4m3 re-encoding in PTX, four bytes per instruction sequence (the interpreter runs the
 # plain-Triton version of the same bit arithmetic).
 _USE_ASM = not _INTERPRET and os.environ.get("TSI_TRITON_NO_ASM", "0") != "1"
-# MXFP4 on SM90: fold the group scales into the e4m3 operands (one MMA over D per tile, see
-# _fp4_to_fp8_shifted) instead of one MMA and an fp32 scale per 32-element group. Read at launch.
-MXFP4_FOLD = os.environ.get("TSI_MXFP4_FOLD", "1") == "1"
 
 _INT_ARGS = ["H", "NQ", "L", "OUT_STRIDE", "N", "NREQ", "MB", "BT_STRIDE", "NB_CACHE", "BS", "LBS", "PAGE_STRIDE",
              "NCAND", "CBS", "LCBS", "COLS", "W_STRIDE"]
@@ -90,51 +87,6 @@ def _fp4_group_to_fp8(b, R: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _fp4_shift(word, G: tl.constexpr):
-    """Scale words ``[R]`` int32 (UE8M0 bytes of ``G`` groups) -> ``(d8 [R, G] uint8, base [R] f32, ok)``.
-
-    A row's groups are re-based on its smallest exponent: group ``g`` is shifted by ``d = e_g - min e``, which
-    ``8 * d`` adds to the e4m3 exponent field. Exact while ``d <= 11`` (``6 * 2^(d - 5) <= 384`` stays a normal
-    e4m3): ``ok`` (a scalar) says every row is within that spread. ``base = 2^(min e - 127)``."""
-    sh = tl.arange(0, G) * 8
-    e = (word[:, None] >> sh[None, :]) & 0xFF
-    lo = tl.min(e, axis=1)
-    ok = tl.max(tl.max(e, axis=1) - lo, axis=0) <= 11
-    d8 = (tl.minimum(e - lo[:, None], 11) * 8).to(tl.uint8)
-    bits = tl.where(lo == 0, 0x00400000, lo << 23)
-    return d8, bits.to(tl.float32, bitcast=True), ok
-
-
-@triton.jit
-def _fp4_to_fp8_shifted(b, d8, R: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
-    """``b [R, G * 16]`` packed e2m1 bytes -> ``[R, G * 32]`` e4m3 of ``value * 2^(d_g - 5)`` in element order
-    (exact for ``d <= 11``; see :func:`_fp4_shift` for ``d8``)."""
-    b3 = tl.reshape(b, (R, G, 16))
-    d8b = tl.broadcast_to(d8[:, :, None], (R, G, 16))
-    # lo: low nibbles (elements 2i) of the 4 bytes of $2; hi: high nibbles (elements 2i + 1). Per nibble:
-    # magnitude code c -> selector nibble, prmt into the table [0, 08, 10, 14, 18, 1C, 20, 24] (e4m3 of
-    # e2m1 * 2^-5), + 8d on nonzero codes ($3: 8d per byte; a second prmt gives the nonzero mask), and the
-    # sign to bit 7.
-    if USE_ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b32 x, y, s, m, z, ta, tb, na, nb; "
-            "mov.b32 ta, 0x14100800; mov.b32 tb, 0x24201C18; mov.b32 na, 0xFFFFFF00; mov.b32 nb, 0xFFFFFFFF; "
-            "and.b32 x, $2, 0x07070707; shr.b32 y, x, 4; or.b32 y, x, y; prmt.b32 s, y, y, 0x0020; "
-            "prmt.b32 m, ta, tb, s; prmt.b32 z, na, nb, s; and.b32 z, z, $3; add.u32 m, m, z; "
-            "shl.b32 z, $2, 4; and.b32 z, z, 0x80808080; or.b32 $0, m, z; "
-            "shr.b32 x, $2, 4; and.b32 x, x, 0x07070707; shr.b32 y, x, 4; or.b32 y, x, y; "
-            "prmt.b32 s, y, y, 0x0020; prmt.b32 m, ta, tb, s; prmt.b32 z, na, nb, s; and.b32 z, z, $3; "
-            "add.u32 m, m, z; and.b32 z, $2, 0x80808080; or.b32 $1, m, z; }",
-            "=r,=r,r,r", [b3, d8b], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
-    else:
-        c = b3 & 7
-        lo = (tl.where(c == 0, 0, tl.where(c == 1, 8, c * 4 + 8) + d8b) | ((b3 & 8) << 4)).to(tl.uint8)
-        c = (b3 >> 4) & 7
-        hi = (tl.where(c == 0, 0, tl.where(c == 1, 8, c * 4 + 8) + d8b) | (b3 & 0x80)).to(tl.uint8)
-    return tl.reshape(tl.join(lo, hi), (R, G * 32)).to(tl.float8e4nv, bitcast=True)
-
-
-@triton.jit
 def _ue8m0(word, g: tl.constexpr):
     """Byte ``g`` of an int32 scale word as the fp32 power of two ``2^(byte - 127)`` (byte 0: 2^-127)."""
     e = (word >> (8 * g)) & 0xFF
@@ -167,56 +119,39 @@ def _load_q_fp4_group(q_ptr, qrow, qmask, g: tl.constexpr, M: tl.constexpr, USE_
 
 
 @triton.jit
-def _tile_scores(kv_ptr, koff, sc_ptr, sidx, kmask, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb, qfs, qok,
-                 wv,
+def _tile_scores(kv_ptr, koff, sc_ptr, sidx, kmask, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb, wv,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, MQ: tl.constexpr, FP4: tl.constexpr,
-                 DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr):
+                 DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
     """Weighted-relu head terms of one K tile: returns ``(relu(q.k) * w [BLOCK_N, MQ], k_scale [BLOCK_N])``.
 
     ``koff [BLOCK_N]`` int64 byte offsets of each token's values; its scale word is ``sc_ptr[sidx]`` (fp32 for
     FP8, int32 UE8M0 bytes for MXFP4).
     FP8: ``q8 [MQ, D]``. MXFP4 (SM90): per-group e4m3 queries ``qg* [MQ, 32]`` and their fp32 scales
-    ``sq* [MQ]``, one MMA per group; with FOLD, where the tile's tokens and the query heads (``qok``) keep
-    their group exponents within 11 binades, ``q8 [MQ, D]`` (e4m3, the query's group scales folded in, the
-    rest ``qfs [MQ]``) and one MMA over D, the token's base scale returned as ``k_scale``. MXFP4 (SM100):
-    packed queries ``qp [MQ, D/2]`` and scale bytes ``qsb [MQ, D/32]``.
+    ``sq* [MQ]``. MXFP4 (SM100): packed queries ``qp [MQ, D/2]`` and scale bytes ``qsb [MQ, D/32]``.
     """
     koff = tl.multiple_of(koff, 16)
-    wt = wv
     if FP4:
         word = tl.load(sc_ptr + sidx, mask=kmask, other=0)
         if DOT_SCALED:
             d = tl.arange(0, D // 2)
             kb = tl.load(kv_ptr + koff[:, None] + d[None, :], mask=kmask[:, None], other=0)
             acc = tl.dot_scaled(kb, _scale_bytes(word, D // 32), "e2m1", tl.trans(qp), qsb, "e2m1")
-            ksc = tl.full((BLOCK_N,), 1.0, tl.float32)
         else:
-            folded = False
-            if FOLD:
-                d = tl.arange(0, D // 2)
-                kf = tl.load(kv_ptr + koff[:, None] + d[None, :], mask=kmask[:, None], other=0)
-                d8, kbase, kok = _fp4_shift(word, D // 32)
-                folded = qok & kok  # every token of the tile and every query head within 11 binades: exact
-            if folded:  # one MMA over D on operands with the group scales folded in
-                acc = tl.dot(_fp4_to_fp8_shifted(kf, d8, BLOCK_N, D // 32, USE_ASM), tl.trans(q8))
-                ksc = kbase
-                wt = wv * qfs
-            else:  # one MMA and an fp32 scale per 32-element group
-                d = tl.arange(0, 16)
-                kb = tl.load(kv_ptr + koff[:, None] + d[None, :], mask=kmask[:, None], other=0)
-                part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg0))
-                acc = part * (_ue8m0(word, 0)[:, None] * sq0[None, :])
-                kb = tl.load(kv_ptr + koff[:, None] + 16 + d[None, :], mask=kmask[:, None], other=0)
-                part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg1))
-                acc += part * (_ue8m0(word, 1)[:, None] * sq1[None, :])
-                if D == 128:
-                    kb = tl.load(kv_ptr + koff[:, None] + 32 + d[None, :], mask=kmask[:, None], other=0)
-                    part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg2))
-                    acc += part * (_ue8m0(word, 2)[:, None] * sq2[None, :])
-                    kb = tl.load(kv_ptr + koff[:, None] + 48 + d[None, :], mask=kmask[:, None], other=0)
-                    part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg3))
-                    acc += part * (_ue8m0(word, 3)[:, None] * sq3[None, :])
-                ksc = tl.full((BLOCK_N,), 1.0, tl.float32)
+            d = tl.arange(0, 16)
+            kb = tl.load(kv_ptr + koff[:, None] + d[None, :], mask=kmask[:, None], other=0)
+            part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg0))
+            acc = part * (_ue8m0(word, 0)[:, None] * sq0[None, :])
+            kb = tl.load(kv_ptr + koff[:, None] + 16 + d[None, :], mask=kmask[:, None], other=0)
+            part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg1))
+            acc += part * (_ue8m0(word, 1)[:, None] * sq1[None, :])
+            if D == 128:
+                kb = tl.load(kv_ptr + koff[:, None] + 32 + d[None, :], mask=kmask[:, None], other=0)
+                part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg2))
+                acc += part * (_ue8m0(word, 2)[:, None] * sq2[None, :])
+                kb = tl.load(kv_ptr + koff[:, None] + 48 + d[None, :], mask=kmask[:, None], other=0)
+                part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg3))
+                acc += part * (_ue8m0(word, 3)[:, None] * sq3[None, :])
+        ksc = tl.full((BLOCK_N,), 1.0, tl.float32)
     else:
         d = tl.arange(0, D)
         # Loaded as e4m3 (not bytes then bitcast) so the pipeliner streams it into shared memory for the MMA.
@@ -225,12 +160,12 @@ def _tile_scores(kv_ptr, koff, sc_ptr, sidx, kmask, q8, qg0, qg1, qg2, qg3, sq0,
         acc = tl.dot(kb, tl.trans(q8))
         ksc = tl.load(sc_ptr + sidx, mask=kmask, other=0.0)
     # Not tl.maximum: its PTX max drops NaN, and a NaN score from garbage cache bytes must stay NaN (SPEC 2).
-    return tl.where(acc < 0.0, 0.0, acc) * wt[None, :], ksc
+    return tl.where(acc < 0.0, 0.0, acc) * wv[None, :], ksc
 
 
 @triton.jit
 def _load_queries(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr,
-                  DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr):
+                  DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
     """Load the query operand(s) for ``MQ`` query-head rows (see :func:`_tile_scores`)."""
     q8 = tl.zeros((16, 32), tl.uint8)  # placeholders for the operands a format does not use
     qg0 = q8
@@ -244,8 +179,6 @@ def _load_queries(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.con
     sq3 = one
     qp = tl.zeros((16, 16), tl.uint8)
     qsb = tl.zeros((16, 4), tl.uint8)
-    qfs = one
-    qok = False
     if FP4:
         qw = tl.load(qs_ptr + qsidx, mask=qmask, other=0x7F7F7F7F)
         if DOT_SCALED:
@@ -253,12 +186,6 @@ def _load_queries(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.con
             qp = tl.load(q_ptr + tl.multiple_of(qrow, 16)[:, None] + d[None, :], mask=qmask[:, None], other=0)
             qsb = _scale_bytes(qw, D // 32)
         else:
-            if FOLD:
-                d = tl.arange(0, D // 2)
-                qb = tl.load(q_ptr + tl.multiple_of(qrow, 16)[:, None] + d[None, :], mask=qmask[:, None], other=0)
-                qd8, qbase, qok = _fp4_shift(qw, D // 32)
-                q8 = _fp4_to_fp8_shifted(qb, qd8, MQ, D // 32, USE_ASM)
-                qfs = qbase * (1024.0 / 4096.0)  # the re-encodings' 2^10, over the groups' 2^12 in the weights
             qg0 = _load_q_fp4_group(q_ptr, qrow, qmask, 0, MQ, USE_ASM)
             qg1 = _load_q_fp4_group(q_ptr, qrow, qmask, 1, MQ, USE_ASM)
             sq0 = _ue8m0(qw, 0)
@@ -270,7 +197,7 @@ def _load_queries(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.con
                 sq3 = _ue8m0(qw, 3)
     else:
         q8 = _load_q_fp8(q_ptr, qrow, qmask, D)
-    return q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb, qfs, qok
+    return q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -285,7 +212,7 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
                  HP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr,
                  HAS_REQ: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
                  IDX_LOAD: tl.constexpr, PACK_IDS: tl.constexpr, DOT_SCALED: tl.constexpr,
-                 USE_ASM: tl.constexpr, FOLD: tl.constexpr):
+                 USE_ASM: tl.constexpr):
     """Program (row, chunk): columns ``[chunk * COLS, (chunk + 1) * COLS)``, ``COLS = TILES * BLOCK_N``, of one
     query row.
 
@@ -322,11 +249,11 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     h = tl.arange(0, HP)
     hmask = h < H
     qrow = (row.to(tl.int64) * H + h) * VB
-    q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb, qfs, qok = _load_queries(
-        q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D, FP4, DOT_SCALED, USE_ASM, FOLD)
+    q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
+        q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D, FP4, DOT_SCALED, USE_ASM)
     wv = tl.load(w_ptr + row.to(tl.int64) * W_STRIDE + h, mask=hmask, other=0.0).to(tl.float32)
     if FP4 and not DOT_SCALED:
-        wv = wv * 4096.0  # the 2^-6 * 2^-6 of the e4m3 re-encoding (groups; FOLD rescales per tile)
+        wv = wv * 4096.0  # the 2^-6 * 2^-6 of the e4m3 re-encoding
 
     COLS: tl.constexpr = TILES * BLOCK_N
     c_lo = chunk * COLS
@@ -416,11 +343,11 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
             koff = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
             sidx = page * (PAGE_STRIDE // 4) + BS * (VB // 4) + off
             terms, ksc = _tile_scores(kv_ptr, koff, sc_base, sidx, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3,
-                                      qp, qsb, qfs, qok, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM, FOLD)
+                                      qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM)
         else:
             key = tl.where(valid, ks_row + pos, 0).to(tl.int64)
             terms, ksc = _tile_scores(kv_ptr, key * VB, ksc_ptr, key, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1,
-                                      sq2, sq3, qp, qsb, qfs, qok, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM, FOLD)
+                                      sq2, sq3, qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM)
         logit = tl.sum(terms, axis=1) * ksc
         logit = tl.where(valid, logit, float("-inf"))
         tl.store(out_row + cols, logit.to(out_ptr.dtype.element_ty), mask=cmask)
@@ -440,7 +367,7 @@ def _prefill_dense_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, ou
                           H, NQ, L, OUT_STRIDE, N, COLS, NJ, W_STRIDE,
                           HP: tl.constexpr, BQ: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr,
                           BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_SCALED: tl.constexpr,
-                          USE_ASM: tl.constexpr, FOLD: tl.constexpr):
+                          USE_ASM: tl.constexpr):
     """Program (qb, j): rows ``[qb*BQ, qb*BQ + BQ)``. Valid scores are computed on absolute key windows
     ``[kmin + w*COLS, kmin + (w+1)*COLS)`` for ``w = j, j + NJ, ...`` (kmin/kmax: the block's key span), so
     every key tile is loaded once for all BQ rows and each output element has exactly one writer; ``-inf``
@@ -464,11 +391,11 @@ def _prefill_dense_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, ou
     hh = i % HP
     qmask = (qr < NQ) & (hh < H)
     qidx = qr.to(tl.int64) * H + hh
-    q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb, qfs, qok = _load_queries(
-        q_ptr, qs_ptr, qidx * VB, qidx, qmask, MQ, D, FP4, DOT_SCALED, USE_ASM, FOLD)
+    q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
+        q_ptr, qs_ptr, qidx * VB, qidx, qmask, MQ, D, FP4, DOT_SCALED, USE_ASM)
     wv = tl.load(w_ptr + qr.to(tl.int64) * W_STRIDE + hh, mask=qmask, other=0.0).to(tl.float32)
     if FP4 and not DOT_SCALED:
-        wv = wv * 4096.0  # the 2^-6 * 2^-6 of the e4m3 re-encoding (groups; FOLD rescales per tile)
+        wv = wv * 4096.0
 
     offs = tl.arange(0, BLOCK_N)
     out_rows = out_ptr + rb.to(tl.int64) * OUT_STRIDE
@@ -480,8 +407,7 @@ def _prefill_dense_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, ou
             kval = key < w1
             key64 = tl.where(kval, key, 0).to(tl.int64)
             terms, ksc = _tile_scores(k_ptr, key64 * VB, ksc_ptr, key64, kval, q8, qg0, qg1, qg2, qg3, sq0,
-                                      sq1, sq2, sq3, qp, qsb, qfs, qok, wv, D, BLOCK_N, MQ, FP4, DOT_SCALED,
-                                      USE_ASM, FOLD)
+                                      sq1, sq2, sq3, qp, qsb, wv, D, BLOCK_N, MQ, FP4, DOT_SCALED, USE_ASM)
             s = tl.sum(tl.reshape(terms, (BLOCK_N, BQ, HP)), axis=2) * ksc[:, None]  # [BLOCK_N, BQ]
             ok = kval[:, None] & (key[:, None] >= ks[None, :]) & (key[:, None] < ke[None, :])
             col = key[:, None] - ks[None, :]
@@ -525,7 +451,7 @@ def _prefill_pair_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, can
                          H, NQ, OUT_STRIDE, N, NCAND, CBS, W_STRIDE,
                          HP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, BLOCK_N: tl.constexpr,
                          CAND_P2: tl.constexpr, LOG2: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr, FOLD: tl.constexpr):
+                         DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
     """Program p: rows ``2p`` and ``2p + 1`` (sparse layout, ``NCAND`` slots of ``CBS`` columns each)."""
     p = tl.program_id(0)
     VB: tl.constexpr = D // 2 if FP4 else D
@@ -548,11 +474,11 @@ def _prefill_pair_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, can
     # has1, whose broadcast the interpreter turns into an integer mask.
     qmask = (hh < H) & (r0 + i // HP < NQ)
     qidx = qr.to(tl.int64) * H + hh
-    q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb, qfs, qok = _load_queries(
-        q_ptr, qs_ptr, qidx * VB, qidx, qmask, MQ, D, FP4, DOT_SCALED, USE_ASM, FOLD)
+    q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
+        q_ptr, qs_ptr, qidx * VB, qidx, qmask, MQ, D, FP4, DOT_SCALED, USE_ASM)
     wv = tl.load(w_ptr + qr.to(tl.int64) * W_STRIDE + hh, mask=qmask, other=0.0).to(tl.float32)
     if FP4 and not DOT_SCALED:
-        wv = wv * 4096.0  # the 2^-6 * 2^-6 of the e4m3 re-encoding (groups; FOLD rescales per tile)
+        wv = wv * 4096.0
 
     c0_row = cand_ptr + r0.to(tl.int64) * NCAND
     c1_row = cand_ptr + r1c.to(tl.int64) * NCAND
@@ -590,7 +516,7 @@ def _prefill_pair_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, can
         v1 = in1 & kval & (pos < n1)
         key = tl.where(kval, ks0 + pos, 0).to(tl.int64)
         terms, ksc = _tile_scores(k_ptr, key * VB, ksc_ptr, key, kval, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2,
-                                  sq3, qp, qsb, qfs, qok, wv, D, BLOCK_N, MQ, FP4, DOT_SCALED, USE_ASM, FOLD)
+                                  sq3, qp, qsb, wv, D, BLOCK_N, MQ, FP4, DOT_SCALED, USE_ASM)
         s = tl.sum(tl.reshape(terms, (BLOCK_N, 2, HP)), axis=2) * ksc[:, None]
         s0, s1 = tl.split(s)
         tl.store(o0_row + cols, tl.where(v0, s0, float("-inf")).to(out_ptr.dtype.element_ty), mask=cmask)
@@ -627,7 +553,7 @@ def _prefill_pair_kernel(q_ptr, qs_ptr, w_ptr, k_ptr, ksc_ptr, a_ptr, b_ptr, can
         v1 = v1 & (pos < n1)
         key = tl.where(v1, ks1 + pos, 0).to(tl.int64)
         terms, ksc = _tile_scores(k_ptr, key * VB, ksc_ptr, key, v1, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2,
-                                  sq3, qp, qsb, qfs, qok, wv, D, BLOCK_N, MQ, FP4, DOT_SCALED, USE_ASM, FOLD)
+                                  sq3, qp, qsb, wv, D, BLOCK_N, MQ, FP4, DOT_SCALED, USE_ASM)
         s = tl.sum(tl.reshape(terms, (BLOCK_N, 2, HP)), axis=2) * ksc[:, None]
         s0, s1 = tl.split(s)
         tl.store(o1_row + sl * CBS + t, tl.where(v1, s1, float("-inf")).to(out_ptr.dtype.element_ty),
@@ -754,7 +680,7 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
         _log2(cbs), weights.stride(0),
         HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
         BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load, PACK_IDS=pack_ids and sparse,
-        DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, FOLD=MXFP4_FOLD, num_warps=warps)
+        DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, num_warps=warps)
 
 
 def _prefill_dense_config(HP: int, fp4: bool):
@@ -783,7 +709,7 @@ def _launch_prefill_dense(q, q_scale, k, k_scale, weights, ks, ke, logits):
         _q_bytes(q), q_scale if q_scale is not None else ks, weights, _q_bytes(k), k_scale, ks, ke, logits,
         H, T, L, logits.stride(0), k.shape[0], cols, nj, weights.stride(0),
         HP=HP, BQ=bq, D=D, FP4=fp4, BLOCK_N=block_n, NUM_STAGES=stages,
-        DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, FOLD=MXFP4_FOLD, num_warps=warps)
+        DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, num_warps=warps)
 
 
 def _pair_config(HP: int, fp4: bool):
@@ -821,8 +747,7 @@ def _launch_prefill_sparse(q, q_scale, k, k_scale, weights, ks, ke, candidate_bl
         _q_bytes(q), q_scale if q_scale is not None else ks, weights, _q_bytes(k), k_scale, ks, ke,
         candidate_blocks, logits, H, T, logits.stride(0), k.shape[0], ncand, cbs, weights.stride(0),
         HP=HP, D=D, FP4=fp4, BLOCK_N=block_n, CAND_P2=p2, LOG2=max(1, p2.bit_length() - 1),
-        NUM_STAGES=stages, DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, FOLD=MXFP4_FOLD,
-        num_warps=warps)
+        NUM_STAGES=stages, DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, num_warps=warps)
 
 
 # ----------------------------------------------------------------------------------------------------
