@@ -13,10 +13,10 @@ per-row lengths: ``masked_fill`` then ``torch.topk``; for ``block_topk`` a maske
 ``torch.topk``), ``torch.topk`` (no lengths at all: a lower bound for torch) and ``amax`` (one read of the
 scores: the measured floor). Rows longer than the shared-memory limit are also timed on each path the
 library can take for them: ``cuda cluster`` / ``cuda one-CTA`` (cluster mode forced on / off) and
-``cuda two-pass`` (one CTA, sampled threshold off: the row read twice); shared-memory rows also as
-``cuda full-hist`` (sampled threshold off: a histogram of the whole row). ``floor_us`` = score bytes / copy bandwidth; ``x_torch`` = torch.topk+mask time /
-ours; ``x_read`` = our time / amax time. Times: median of CUDA-graph replays, L2 flushed. ``check``: our
-output equals ``reference.py`` on the first rows. ``--quick`` shrinks the shapes.
+``cuda two-pass`` (one CTA, sampled threshold off: the row read twice). ``floor_us`` = score bytes / copy
+bandwidth; ``x_torch`` = torch.topk+mask time / ours; ``x_read`` = our time / amax time. Times: median of
+CUDA-graph replays, L2 flushed. ``check``: our output equals ``reference.py`` on the first rows. ``--quick``
+shrinks the shapes.
 ``TSI_BENCH_TOPK_TARGETS=1``: the issue's target shapes only, ours and ``amax`` only (to compare builds of
 the library, picked with ``TORCH_SPARSE_INDEXER_TOPK_LIB``, in one device call).
 """
@@ -83,27 +83,20 @@ def _topk_case(R, W, k, dtype, gen):
     alts = []  # the same rows on each path: (impl, cluster mode, sampled threshold)
     if t["smem_keys"] < W <= t["cluster_max"] * t["smem_keys"]:
         alts += [("cuda cluster", "always", True), ("cuda one-CTA", "off", True)]
-    alts.append(("cuda two-pass", "off", False) if W > t["smem_keys"] else ("cuda full-hist", None, False))
-    return rows + _alt_rows(rows[0], ours, lambda e, r: reference.topk(x[:r], lens[:r], k, e), out, alts)
-
-
-def _alt_rows(cuda, ours, ref, out, alts):
-    """The row of ``cuda`` timed again on each other path the library can take for it: (impl, cluster mode
-    or None to leave it, sampled threshold on/off)."""
-    rows = []
+    if W > t["smem_keys"]:
+        alts.append(("cuda two-pass", "off", False))
+    cuda = rows[0]
     for impl, mode, sampled in alts:
-        prev = ct.set_cluster_mode(mode) if mode else None
-        prev_s = ct.set_sampled(sampled)
+        prev, prev_s = ct.set_cluster_mode(mode), ct.set_sampled(sampled)
         try:
             ours()
-            chk = _check(None, ref, out)
+            chk = _check(None, lambda e, r: reference.topk(x[:r], lens[:r], k, e), out)
             t_alt = common.time_us(ours)
         finally:
-            if mode:
-                ct.set_cluster_mode(prev)
+            ct.set_cluster_mode(prev)
             ct.set_sampled(prev_s)
-        rows.append(common.record(op=cuda["op"], shape=cuda["shape"], k=cuda["k"], floor_us=cuda["floor_us"],
-                                  impl=impl, time_us=t_alt, x_read=t_alt / cuda["time_us"] * cuda["x_read"],
+        rows.append(common.record(op="topk", shape=shape, k=k, floor_us=cuda["floor_us"], impl=impl,
+                                  time_us=t_alt, x_read=t_alt / cuda["time_us"] * cuda["x_read"],
                                   x_torch=cuda["x_torch"] * cuda["time_us"] / t_alt, check=chk))
     return rows
 
@@ -120,10 +113,8 @@ def _sparse_case(R, nb, cbs, k, gen):
     ours()
     check = _check(None, lambda e, r: reference.sparse_topk(x[:r], blocks[:r], cbs, lens[:r], k, e), out)
     valid = lens  # every candidate column is valid here: the plain topk is the fair torch equivalent
-    ref = lambda e, r: reference.sparse_topk(x[:r], blocks[:r], cbs, lens[:r], k, e)  # noqa: E731
-    rows = _rows("sparse_topk", f"{R}x{nb}blk*{cbs}", k, x, ours, lambda: torch.topk(_mask(x, valid), k, dim=1),
+    return _rows("sparse_topk", f"{R}x{nb}blk*{cbs}", k, x, ours, lambda: torch.topk(_mask(x, valid), k, dim=1),
                  lambda: torch.topk(x, k, dim=1), check)
-    return rows + _alt_rows(rows[0], ours, ref, out, [("cuda full-hist", None, False)])
 
 
 def _block_case(R, W, cbs, nbk, gen):
@@ -141,9 +132,7 @@ def _block_case(R, W, cbs, nbk, gen):
     def torch_plain():
         return torch.topk(x.view(R, W // cbs, cbs).amax(dim=2), nbk, dim=1)
 
-    rows = _rows("block_topk", f"{R}x{W // 1024}K/{cbs}", nbk, x, ours, torch_masked, torch_plain, check)
-    return rows + _alt_rows(rows[0], ours, lambda e, r: reference.block_topk(x[:r], lens[:r], cbs, e), out,
-                            [("cuda full-hist", None, False)])
+    return _rows("block_topk", f"{R}x{W // 1024}K/{cbs}", nbk, x, ours, torch_masked, torch_plain, check)
 
 
 def run(args) -> list[dict]:

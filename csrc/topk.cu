@@ -156,6 +156,7 @@ int tsi_topk_max_k() { return tsi::LIST_CAP; }
 // Tuning constants, exported so tests can aim at each path: rows of at most smem_keys elements are
 // selected in shared memory; longer rows buffer at most cand_cap threshold-bin elements.
 int tsi_topk_smem_keys() { return tsi::SMEM_KEYS; }
+int tsi_topk_cand_cap() { return tsi::CAND_CAP; }
 
 // Development builds with -DTSI_PHASE_TIMING: the clock64() values block 0 recorded at its numbered points
 // (out: 32 values; see TSI_MARK in topk_kernels.cuh), then clears them. Returns -1 in other builds.
@@ -169,7 +170,6 @@ int tsi_topk_phase_cycles(unsigned long long* out) {
   return -1;
 #endif
 }
-int tsi_topk_cand_cap() { return tsi::CAND_CAP; }
 
 const char* tsi_topk_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 
