@@ -78,6 +78,30 @@ def time_us(fn: Callable[[], None], graph: bool = True, warmup: int = 3, rep_ms:
     return ms * 1e3
 
 
+def kernel_us(fn: Callable[[], None], reps: int = 20) -> float:
+    """Mean GPU duration, in microseconds, of the kernels one call of ``fn`` launches, from a torch.profiler
+    (kineto) trace with the L2 flushed before each call (DeepGEMM's ``bench_kineto`` method): launch and
+    CUDA-graph overheads excluded, unlike ``time_us``. NaN where the profiler records no kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                flush.zero_()
+                fn()
+            torch.cuda.synchronize()
+        total = sum(e.time_range.elapsed_us() for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA
+                    and not any(f in e.name for f in ("Fill", "Memset", "memset")))  # the flush
+    except Exception as e:  # no CUPTI, or an event API this torch lacks
+        print(f"kernel_us: profiler unavailable ({type(e).__name__}: {e})")
+        return float("nan")
+    return total / reps if total > 0 else float("nan")
+
+
 def replay_us(fn: Callable[[], None], reps: int = 50) -> float:
     """Median of ``reps`` CUDA-graph replays of ``fn`` (L2 flushed before each), a fixed count: ranks of a
     process group that each time a step with collectives this way stay paired."""

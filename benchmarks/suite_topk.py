@@ -15,7 +15,8 @@ scores: the measured floor). Rows longer than the shared-memory limit are also t
 library can take for them: ``cuda cluster`` / ``cuda one-CTA`` (cluster mode forced on / off) and
 ``cuda two-pass`` (one CTA, sampled threshold off: the row read twice). ``floor_us`` = score bytes / copy
 bandwidth; ``x_torch`` = torch.topk+mask time / ours; ``x_read`` = our time / amax time. Times: median of
-CUDA-graph replays, L2 flushed. ``check``: our output equals ``reference.py`` on the first rows. ``--quick``
+CUDA-graph replays, L2 flushed; ``kernel_us`` (ours and ``amax``) = the kernels' own GPU time from a profiler
+trace, L2 flushed, without launch and graph overheads. ``check``: our output equals ``reference.py`` on the first rows. ``--quick``
 shrinks the shapes.
 ``TSI_BENCH_TOPK_TARGETS=1``: the issue's target shapes only, ours and ``amax`` only (to compare builds of
 the library, picked with ``TORCH_SPARSE_INDEXER_TOPK_LIB``, in one device call).
@@ -30,7 +31,7 @@ import common
 from torch_sparse_indexer import reference
 from torch_sparse_indexer.kernels import cuda_topk as ct
 
-COLUMNS = ["op", "shape", "k", "impl", "time_us", "floor_us", "x_read", "x_torch", "check"]
+COLUMNS = ["op", "shape", "k", "impl", "time_us", "kernel_us", "floor_us", "x_read", "x_torch", "check"]
 DEV = "cuda"
 CHECK_ROWS = 8
 TARGETS_ONLY = os.environ.get("TSI_BENCH_TOPK_TARGETS", "0") == "1"
@@ -57,15 +58,17 @@ def _rows(op, shape, k, x, ours, torch_masked, torch_plain, check):
     t_read = common.time_us(lambda: torch.amax(x, dim=1))
     floor = common.floor_us(x.numel() * x.element_size())
     t_ours = common.time_us(ours)
+    k_read, k_ours = common.kernel_us(lambda: torch.amax(x, dim=1)), common.kernel_us(ours)
     t_tm = common.time_us(torch_masked) if torch_masked and not TARGETS_ONLY else float("nan")
     t_tp = common.time_us(torch_plain) if torch_plain and not TARGETS_ONLY else float("nan")
     base = dict(op=op, shape=shape, k=k, floor_us=floor)
     return [
-        common.record(**base, impl="cuda", time_us=t_ours, x_read=t_ours / t_read, x_torch=t_tm / t_ours,
-                      check=check),
+        common.record(**base, impl="cuda", time_us=t_ours, kernel_us=k_ours, x_read=t_ours / t_read,
+                      x_torch=t_tm / t_ours, check=check),
         common.record(**base, impl="torch.topk+mask", time_us=t_tm, x_read=t_tm / t_read, x_torch=1.0, check=""),
         common.record(**base, impl="torch.topk", time_us=t_tp, x_read=t_tp / t_read, x_torch=t_tm / t_tp, check=""),
-        common.record(**base, impl="amax", time_us=t_read, x_read=1.0, x_torch=float("nan"), check=""),
+        common.record(**base, impl="amax", time_us=t_read, kernel_us=k_read, x_read=1.0, x_torch=float("nan"),
+                      check=""),
     ]
 
 
@@ -158,6 +161,7 @@ def run(args) -> list[dict]:
     rows += _block_case(R, K128, 8, 2048, gen)
     for r in rows:
         if r["impl"] == "cuda":
-            print(f"[topk] {r['op']} {r['shape']} k={r['k']}: {r['time_us']:.1f} us, "
+            print(f"[topk] {r['op']} {r['shape']} k={r['k']}: {r['time_us']:.1f} us "
+                  f"(kernel {r.get('kernel_us', float('nan')):.1f}), "
                   f"x_read {r['x_read']:.2f}, x_torch {r['x_torch']:.1f}, {r['check']}", flush=True)
     return rows

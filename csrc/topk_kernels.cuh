@@ -38,6 +38,20 @@ template <class T>
 __device__ __forceinline__ T* tsi_cluster_map(T* p, unsigned rank) {
   return cooperative_groups::this_cluster().map_shared_rank(p, rank);
 }
+// 16-byte asynchronous copy global -> shared (SM80+), and the wait for all of this thread's copies.
+__device__ __forceinline__ void tsi_cp_async16(void* smem, const void* gmem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void tsi_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>  // all but the newest N committed groups have landed
+__device__ __forceinline__ void tsi_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void tsi_cp_async_wait_all() {
+  tsi_cp_async_commit();
+  tsi_cp_async_wait<0>();
+}
 #endif
 
 #ifndef TSI_THREADS
@@ -60,6 +74,12 @@ __device__ __forceinline__ T* tsi_cluster_map(T* p, unsigned rank) {
 #endif
 #ifndef TSI_UB2  // the same, two CTAs per SM
 #define TSI_UB2 4
+#endif
+#ifndef TSI_RING_U  // tiles per stage of the shared-memory ring of the sampled pass (one CTA per SM)
+#define TSI_RING_U 4
+#endif
+#ifndef TSI_RING_D  // stages of that ring (0: no ring, the register double buffer)
+#define TSI_RING_D 3
 #endif
 
 namespace tsi {
@@ -468,6 +488,7 @@ template <int U, int E>
 __device__ __forceinline__ void block_excl_scan_small(const uint32_t (&v)[U], uint32_t (&ex)[U], uint32_t* total,
                                                       uint32_t* tmp32) {
   constexpr int FB = 32 / U;  // field width inside a warp
+  constexpr uint32_t FMASK = FB == 32 ? 0xffffffffu : ((1u << (FB % 32)) - 1u);
   static_assert(U >= 1 && U <= 4 && (U == 1 || 32 * E < (1 << (FB % 32))) && THREADS * E < 65536, "packed fields");
   static_assert(2 * NWARPS <= MAX_U * NWARPS, "scratch for one 64-bit word per warp");
   unsigned long long* tmp = reinterpret_cast<unsigned long long*>(tmp32);
@@ -485,7 +506,7 @@ __device__ __forceinline__ void block_excl_scan_small(const uint32_t (&v)[U], ui
     unsigned long long w = 0ull;
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      w |= (unsigned long long)((x >> (FB * u)) & (FB == 32 ? 0xffffffffu : ((1u << FB) - 1u))) << (16 * u);
+      w |= (unsigned long long)((x >> (FB * u)) & FMASK) << (16 * u);
     tmp[warp] = w;
   }
   __syncthreads();
@@ -502,7 +523,7 @@ __device__ __forceinline__ void block_excl_scan_small(const uint32_t (&v)[U], ui
   uint32_t run = 0u;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const uint32_t lf = (lex >> (FB * u)) & (FB == 32 ? 0xffffffffu : ((1u << FB) - 1u));
+    const uint32_t lf = (lex >> (FB * u)) & FMASK;
     ex[u] = run + (uint32_t)((wex >> (16 * u)) & 0xffffu) + lf;
     run += (uint32_t)((tot >> (16 * u)) & 0xffffu);
   }
@@ -591,7 +612,8 @@ __device__ __forceinline__ void hist_keys(Smem& sm, const uint32_t (&key)[E], in
 }
 
 // Finds the bin B holding the need-th best element: count(bins > B) < need <= count(bins >= B), with
-// need = min(need, total). ctl[0..3] = B, count above B, count in B, total. Ends with a barrier.
+// need = min(need, total). ctl[0..3] = B, count above B, count in B, total. Leaves hist zero (bins
+// [0, NB) were read and cleared). Ends with a barrier.
 template <int NB>
 __device__ void find_bin(Smem& sm, uint32_t need) {
   constexpr int PER = NB / THREADS;
@@ -601,6 +623,7 @@ __device__ void find_bin(Smem& sm, uint32_t need) {
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
     h[j] = sm.hist[b0 + j];
+    sm.hist[b0 + j] = 0u;  // leaves hist zero for the next digit (smem_hist), no clear + barrier
     s += h[j];
   }
   uint32_t tot;
@@ -626,14 +649,15 @@ struct Thresh {
 };
 
 // Refines the threshold. Precondition: hist holds the digit histogram at prefix length L among the
-// elements with prefix P, and 1 <= need <= their count. next_hist(L, P) must rebuild hist for the
-// next digit (it is called with barriers around it by the caller's contract: it clears, syncs,
-// accumulates and syncs).
+// elements with prefix P, and 1 <= need <= their count; or, with have_bin, find_bin<NBINS>(sm, need) has
+// just read that histogram (ctl holds its result). next_hist(L, P) must rebuild hist for the next digit
+// from the zero histogram find_bin leaves, and end with a barrier.
 template <class NextHist>
-__device__ Thresh resolve(Smem& sm, int L, uint32_t P, uint32_t need, NextHist&& next_hist) {
+__device__ Thresh resolve(Smem& sm, int L, uint32_t P, uint32_t need, NextHist&& next_hist, bool have_bin = false) {
   while (true) {
     const int w = (L == 22) ? 10 : 11;
-    if (w == 11) find_bin<NBINS>(sm, need);
+    if (have_bin) have_bin = false;
+    else if (w == 11) find_bin<NBINS>(sm, need);
     else find_bin<NBINS / 2>(sm, need);
     const uint32_t B = sm.ctl[0], above = sm.ctl[1], cnt = sm.ctl[2];
     P = (P << w) | B;
@@ -712,12 +736,9 @@ __device__ void smem_select(Smem& sm, int& par, const uint32_t* keys, int count,
   }
 }
 
-// Histogram of the digit at prefix length L over `count` keys in shared memory with prefix P.
-// Starts and ends with a barrier (the caller has read ctl and hist before).
+// Histogram of the digit at prefix length L over `count` keys in shared memory with prefix P, added to the
+// zero histogram find_bin leaves (after its final barrier). Ends with a barrier.
 __device__ void smem_hist(Smem& sm, const uint32_t* keys, int count, int L, uint32_t P) {
-  __syncthreads();
-  clear_hist(sm);
-  __syncthreads();
   const int nv = (count + 3) >> 2;
   for (int v = threadIdx.x; v < nv; v += THREADS) {
     const uint4 q = *reinterpret_cast<const uint4*>(keys + 4 * v);
@@ -744,19 +765,15 @@ __device__ __forceinline__ int target_count(int kk, int cap) {
   return T;
 }
 
-// tau = the lower edge of the 22-bit bin holding the j-th best sample key, from two histogram levels:
-// sample_hist(L, P) builds the sample's histogram as smem_hist does. 0 when the sample has fewer than j keys.
-template <class SampleHist>
-__device__ uint32_t sample_tau(Smem& sm, uint32_t j, SampleHist&& sample_hist) {
-  sample_hist(0, 0u);
+// tau = the lower edge of the 22-bit bin holding the j-th best of the sv sample keys in keys[] (1 <= j <= sv),
+// from two histogram levels; hist already holds the sample's top digit (built while the sample was gathered).
+__device__ uint32_t sample_tau(Smem& sm, const uint32_t* keys, int sv, uint32_t j) {
   find_bin<NBINS>(sm, j);
-  if (sm.ctl[3] < j) return 0u;
   const uint32_t B1 = sm.ctl[0];
   const uint32_t need = j - sm.ctl[1];
-  sample_hist(11, B1);
+  smem_hist(sm, keys, sv, 11, B1);
   find_bin<NBINS>(sm, need);
   const uint32_t tau = (B1 << 21) | (sm.ctl[0] << 10);
-  __syncthreads();  // every thread has read ctl and hist
   return tau == 0u ? 1u : tau;  // key 0 is "no element"
 }
 
@@ -765,41 +782,61 @@ __device__ uint32_t sample_tau(Smem& sm, uint32_t j, SampleHist&& sample_hist) {
 // selected element; ranks count G and taken Q elements before it. One block scan; ends without a barrier.
 template <class Emit>
 __device__ void bitmap_emit(Smem& sm, const uint32_t* G, const uint32_t* Q, int W, uint32_t need_eq, Emit&& emit) {
+  // Thread t owns words [t * PW, t * PW + n), read once into registers: 16-byte loads where PW is the full
+  // MAXPW (one word per load at a stride of PW words would hit the same banks PW ways).
+  constexpr int MAXPW = (LIST_CAP + THREADS - 1) / THREADS;
   const int PW = (W + THREADS - 1) / THREADS;
   const int w0 = (int)threadIdx.x * PW;
-  const int w1 = w0 + PW < W ? w0 + PW : W;
+  const int n = W - w0 < 0 ? 0 : (W - w0 < PW ? W - w0 : PW);
+  uint32_t g[MAXPW], q[MAXPW];
+  bool vec = false;
+  if constexpr (MAXPW % 4 == 0) vec = n == MAXPW;
+  if (vec) {
+#pragma unroll
+    for (int j = 0; j < MAXPW; j += 4) {
+      const uint4 a = *reinterpret_cast<const uint4*>(G + w0 + j);
+      const uint4 b = need_eq ? *reinterpret_cast<const uint4*>(Q + w0 + j) : make_uint4(0u, 0u, 0u, 0u);
+      g[j] = a.x; g[j + 1] = a.y; g[j + 2] = a.z; g[j + 3] = a.w;
+      q[j] = b.x; q[j + 1] = b.y; q[j + 2] = b.z; q[j + 3] = b.w;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < MAXPW; ++j) {
+      g[j] = j < n ? G[w0 + j] : 0u;
+      q[j] = j < n && need_eq ? Q[w0 + j] : 0u;
+    }
+  }
   uint32_t ng = 0u, nq = 0u;
-  for (int w = w0; w < w1; ++w) {
-    ng += (uint32_t)__popc(G[w]);
-    nq += need_eq ? (uint32_t)__popc(Q[w]) : 0u;
+#pragma unroll
+  for (int j = 0; j < MAXPW; ++j) {
+    ng += (uint32_t)__popc(g[j]);
+    nq += (uint32_t)__popc(q[j]);
   }
   uint32_t tot;
   const uint32_t ex = block_excl_scan((ng << 16) | nq, sm.scan[0], &tot);  // both counts <= CAND_CAP < 2^16
   uint32_t gt = ex >> 16, eq = ex & 0xffffu;
-  for (int w = w0; w < w1; ++w) {
-    const uint32_t g = G[w];
-    uint32_t all = g | (need_eq ? Q[w] : 0u);
+#pragma unroll
+  for (int j = 0; j < MAXPW; ++j) {
+    uint32_t all = g[j] | q[j];
     while (all != 0u) {
       const int b = __ffs((int)all) - 1;
       all &= all - 1u;
-      if ((g >> b) & 1u) {
-        emit(gt + (eq < need_eq ? eq : need_eq), 32 * w + b);
+      if ((g[j] >> b) & 1u) {
+        emit(gt + (eq < need_eq ? eq : need_eq), 32 * (w0 + j) + b);
         ++gt;
       } else {
-        if (eq < need_eq) emit(gt + eq, 32 * w + b);
+        if (eq < need_eq) emit(gt + eq, 32 * (w0 + j) + b);
         ++eq;
       }
     }
   }
 }
 
-// Sets the bitmap bits of the c buffered candidates (key_at(i), index_at(i)) that the threshold selects.
+// Sets the bitmap bits of the c buffered candidates (keys K, element indices I) that the threshold selects.
 // Starts without a barrier, ends with one.
-template <class KeyAt, class IndexAt>
-__device__ void mark_selected(uint32_t* G, uint32_t* Q, int c, const Thresh& t, KeyAt&& key_at, IndexAt&& index_at) {
+__device__ void mark_selected(uint32_t* G, uint32_t* Q, const uint32_t* K, const uint32_t* I, int c, const Thresh& t) {
   for (int i = threadIdx.x; i < c; i += THREADS) {
-    const uint32_t key = key_at(i);
-    const uint32_t idx = index_at(i);
+    const uint32_t key = K[i], idx = I[i];
     if (is_gt(key, t)) atomicOr(&G[idx >> 5], 1u << (idx & 31u));
     else if (is_eq(key, t)) atomicOr(&Q[idx >> 5], 1u << (idx & 31u));
   }
@@ -836,6 +873,57 @@ __device__ __forceinline__ void stream_while(const Src& src, F&& f) {
     if (!f(cur, b * per)) return;
     b = bn;
   }
+}
+
+// Shared-memory ring of D stages of U tiles (16 bytes per thread and tile), filled by cp.async: D - 1 batches
+// stay in flight while one is processed, without registers to hold them (stream_while's register double
+// buffer has one batch in flight at a time, which bounds a CTA at ~30 GB/s: NOTES.md). A thread copies and
+// reads back only its own slots, so no barrier is involved. Chunked sources only (dense and sparse rows).
+constexpr int RING_U = TSI_RING_U;
+constexpr int RING_D = TSI_RING_D;
+constexpr int RING_BYTES = RING_D * RING_U * THREADS * 16;
+
+// Issues batch b (items b*per + u*THREADS + tid) into its stage and commits one group (an empty one past the
+// row, so that group counts stay uniform).
+template <int U, int D, class Src>
+__device__ __forceinline__ void ring_issue(uint4* ring, const Src& src, int b) {
+  constexpr int per = THREADS * U;
+  if (b * per < src.items()) {
+    uint4* st = ring + (b % D) * per + threadIdx.x;
+    const int c0 = b * per + (int)threadIdx.x;
+    if (src.full(b * per, per)) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) tsi_cp_async16(st + u * THREADS, src.ch.abase + (long long)(c0 + u * THREADS) * 16);
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const Raw r = src.load(c0 + u * THREADS);
+        st[u * THREADS] = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+      }
+    }
+  }
+  tsi_cp_async_commit();
+}
+
+// stream_while<U, false> through the ring; batches [0, D - 1) must have been issued (ring_issue) before. Waits
+// for every copy before it returns (the ring may then be reused or the CTA exit).
+template <int U, int D, class Src, class F>
+__device__ __forceinline__ void stream_while_ring(uint4* ring, const Src& src, F&& f) {
+  constexpr int per = THREADS * U;
+  const int nb = (src.items() + per - 1) / per;
+  for (int it = 0; it < nb; ++it) {
+    ring_issue<U, D>(ring, src, it + D - 1);  // into the stage read (and consumed) in the previous trip
+    tsi_cp_async_wait<D - 1>();                // this trip's batch has landed
+    const uint4* st = ring + (it % D) * per + threadIdx.x;
+    Raw cur[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint4 v = st[u * THREADS];
+      cur[u].w[0] = v.x; cur[u].w[1] = v.y; cur[u].w[2] = v.z; cur[u].w[3] = v.w;
+    }
+    if (!f(cur, it * per)) break;
+  }
+  tsi_cp_async_wait<0>();
 }
 
 template <int U, bool REV, class Src, class F>
@@ -949,14 +1037,115 @@ __device__ void keys_to_smem(Smem& sm, const Src& src, uint32_t* K) {
   __syncthreads();
 }
 
+// keys_to_smem with the whole row's loads in flight at once (cp.async into shared memory, no registers held
+// for them): one memory latency per row instead of one per batch. The raw chunks land where their keys go
+// (fp32 rows whose start is 16-byte aligned: each thread converts the chunks it copied, in place) or after the
+// key array (bf16, whose keys take twice the raw bytes). Returns false, having done nothing, for rows neither
+// layout fits (misaligned fp32 rows, block_topk sources): keys_to_smem serves those.
+template <class Src>
+__device__ bool keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
+  if constexpr (Src::KIND == BLOCK) {
+    return false;
+  } else {
+    constexpr int E = Src::E;
+    const auto& ch = src.ch;
+    const int n = ch.nchunks;
+    uint32_t* R = E == 4 ? K : K + SMEM_KEYS;
+    if (E == 4 ? ch.h != 0 : 4 * n > REGION_WORDS - SMEM_KEYS) return false;
+    clear_hist(sm);
+    if (threadIdx.x == 0) sm.ctl[4] = 0u;
+    for (int c = threadIdx.x; c < n; c += THREADS) {
+      if (ch.full(c, 1)) {
+        tsi_cp_async16(R + 4 * c, ch.abase + (long long)c * 16);
+      } else {
+        const Raw r = ch.load(c);
+        *reinterpret_cast<uint4*>(R + 4 * c) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+      }
+    }
+    tsi_cp_async_wait_all();
+    __syncthreads();  // the cleared histogram (each thread reads back only the chunks it copied)
+    const int m = src.m;
+    for (int base = 0; base < n; base += THREADS) {  // uniform trip count: hist_keys is warp-collective
+      const int c = base + (int)threadIdx.x;
+      Raw raw;
+      raw.w[0] = raw.w[1] = raw.w[2] = raw.w[3] = 0u;
+      if (c < n) {
+        const uint4 v = *reinterpret_cast<const uint4*>(R + 4 * c);
+        raw.w[0] = v.x; raw.w[1] = v.y; raw.w[2] = v.z; raw.w[3] = v.w;
+      }
+      uint32_t key[E];
+      src.elems(raw, c, key);
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        const int i = src.index(c, j);
+        if ((key[j] != 0u || Src::KIND == SPARSE) && (uint32_t)i < (uint32_t)m) K[i] = key[j];
+      }
+      hist_keys<E>(sm, key, 0, 0u);
+    }
+    __syncthreads();
+    return true;
+  }
+}
+
+// Sorts v[0, n) ascending in shared memory if it is not already strictly ascending (NONE = no position, sorts
+// last); returns whether it sorted. v[n, P) is scratch, P = n rounded up to a power of two. Starts and ends with
+// a barrier.
+constexpr uint32_t NONE = 0xffffffffu;
+__device__ bool sort_if_unordered(Smem& sm, uint32_t* v, int n) {
+  if (threadIdx.x == 0) sm.ctl[7] = 0u;
+  __syncthreads();
+  uint32_t bad = 0u;
+  for (int i = threadIdx.x; i + 1 < n; i += THREADS) {
+    const uint32_t a = v[i], b = v[i + 1];
+    bad |= (uint32_t)(a != NONE && b != NONE && a >= b);
+  }
+  if (bad) atomicAdd(&sm.ctl[7], 1u);
+  __syncthreads();
+  if (sm.ctl[7] == 0u) return false;
+  int P = 1;
+  while (P < n) P <<= 1;
+  for (int i = n + threadIdx.x; i < P; i += THREADS) v[i] = NONE;
+  __syncthreads();
+  for (int size = 2; size <= P; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < P; i += THREADS) {
+        const int j = i ^ stride;
+        if (j > i) {
+          const bool up = (i & size) == 0;
+          const uint32_t a = v[i], b = v[j];
+          if ((a > b) == up) { v[i] = b; v[j] = a; }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  return true;
+}
+
+// Writes out[0, kk) from stage[0, r) (the selection's element indices, in index order): positions, then -1,
+// consecutive threads on consecutive outputs. sparse_topk rows: positions sorted where the row's candidate list
+// is out of order (see sort_positions_if_unordered). Starts with a barrier.
+template <class Src>
+__device__ void write_staged(Smem& sm, const Src& src, uint32_t* stage, int r, int* out, int kk) {
+  __syncthreads();
+  if constexpr (Src::KIND == SPARSE) {
+    for (int i = threadIdx.x; i < r; i += THREADS) stage[i] = (uint32_t)src.pos((int)stage[i]);
+    sort_if_unordered(sm, stage, r);
+    for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < r ? (int)stage[i] : -1;
+  } else {
+    for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < r ? src.pos((int)stage[i]) : -1;
+  }
+}
+
 template <int U, class Src>
 __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
   uint32_t* K = sm.region;
   uint32_t* candK = sm.region + SMEM_KEYS;
+  uint32_t* stage = sm.region + SMEM_KEYS;  // the selection, once candK is no longer needed (kk <= LIST_CAP)
   const int m = src.m;
   int par = 0;
   TSI_MARK(10);
-  keys_to_smem<U>(sm, src, K);
+  if (!keys_to_smem_async(sm, src, K)) keys_to_smem<U>(sm, src, K);
   TSI_MARK(11);
   find_bin<NBINS>(sm, (uint32_t)kk);
   TSI_MARK(12);
@@ -975,7 +1164,8 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
       t.tkey = (B1 << 21) > 1u ? (B1 << 21) - 1u : 0u;
       t.need_eq = 0u;
     } else if (c1 <= (uint32_t)CAND_CAP) {
-      // Gather the threshold bin's keys (any order: only their histograms are needed), then refine there.
+      // Gather the threshold bin's keys (any order: only their histograms are needed) and, in the same sweep,
+      // their next digit's histogram; the last level, if needed, runs on the gathered keys.
       const int nv = (m + 3) >> 2;
       for (int base = 0; base < nv; base += THREADS) {
         const int v = base + (int)threadIdx.x;
@@ -987,17 +1177,18 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) key[j] = (4 * v + j < m && key[j] != 0u && (key[j] >> 21) == B1) ? key[j] : 0u;
         append_nonzero<4>(candK, &sm.ctl[4], key);
+        hist_keys<4>(sm, key, 11, B1);
       }
-      smem_hist(sm, candK, (int)c1, 11, B1);
+      __syncthreads();
       t = resolve(sm, 11, B1, need1, [&](int L, uint32_t P) { smem_hist(sm, candK, (int)c1, L, P); });
     } else {
-      t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, K, m, L, P); });
+      t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, K, m, L, P); }, true);
     }
   }
   __syncthreads();
   TSI_MARK(13);
-  smem_select(sm, par, K, m, t, [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
-  pad_out(out, r, kk);
+  smem_select(sm, par, K, m, t, [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
+  write_staged(sm, src, stage, r, out, kk);
   TSI_MARK(14);
 }
 
@@ -1106,8 +1297,8 @@ __device__ __forceinline__ bool sampled_batch(Smem& sm, const Src& src, const Ra
   return go_on;
 }
 
-template <int U, int UB, class Src>
-__device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
+template <int U, int UB, int RD, class Src>
+__device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, uint4* ring) {
   static_assert(U * THREADS * Src::E < 65536, "batch counts");
   using S = Sample<Src>;
   const int n = src.items();
@@ -1118,9 +1309,10 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   uint32_t* G = sm.region + 2 * CAND_CAP;
   uint32_t* Q = G + LIST_CAP;
   TSI_MARK(0);
+  clear_hist(sm);
   if (threadIdx.x == 0) sm.ctl[4] = 0u;
   __syncthreads();
-  // The sample's keys, compacted in any order (only their histograms are used).
+  // The sample's keys, compacted in any order (only their histograms are used), and their top digit's histogram.
   for (int s = 0; s < S::TILES; ++s) {
     const int c = (int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x;
     uint32_t key[Src::E];
@@ -1128,6 +1320,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
 #pragma unroll
     for (int j = 0; j < Src::E; ++j) key[j] = (int)threadIdx.x < S::ITEMS ? key[j] : 0u;
     append_nonzero<Src::E>(candK, &sm.ctl[4], key);
+    hist_keys<Src::E>(sm, key, 0, 0u);
   }
   __syncthreads();
   TSI_MARK(1);
@@ -1136,7 +1329,13 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   int j = (target_count(kk, CAND_CAP) * (S::TILES * S::ITEMS) + n - 1) / n;
   j = j < 1 ? 1 : j;
   if (j > sv) return false;
-  const uint32_t tau = sample_tau(sm, (uint32_t)j, [&](int L, uint32_t P) { smem_hist(sm, candK, sv, L, P); });
+  const bool bitmap = src.m <= BITMAP_ELEMS;
+  constexpr bool RING = RD > 0 && Src::KIND != BLOCK;
+  if constexpr (RING) {  // the pass's first batches load while the threshold is computed
+    if (bitmap)
+      for (int b = 0; b < RD - 1; ++b) ring_issue<RING_U, RD>(ring, src, b);
+  }
+  const uint32_t tau = sample_tau(sm, candK, sv, (uint32_t)j);
   // Dense rows and a positive threshold (the common case): the cheap bit test of DenseSrc::pos_mask, keys
   // computed only for the elements that pass (a loop over the set bits: about 3% of them). Other rows and
   // thresholds: keys computed for every element, as in stream_mode. (Buffering positions only and reading
@@ -1144,7 +1343,6 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   // evicted from L2 by then.)
   bool fast = false;
   if constexpr (Src::KIND == DENSE) fast = tau > 0x80000000u;
-  const bool bitmap = src.m <= BITMAP_ELEMS;
   const int W = (src.m + 31) >> 5;
   if (threadIdx.x == 0) sm.ctl[4] = 0u;
   if (bitmap)
@@ -1154,9 +1352,15 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   int par = 0;
   uint32_t run = 0u;
   if (bitmap) {
-    stream_while<UB, false>(src, [&](const Raw (&cur)[UB], int base) {
-      return sampled_batch<UB, true>(sm, src, cur, base, fast, tau, par, run);
-    });
+    if constexpr (RING) {
+      stream_while_ring<RING_U, RD>(ring, src, [&](const Raw (&cur)[RING_U], int base) {
+        return sampled_batch<RING_U, true>(sm, src, cur, base, fast, tau, par, run);
+      });
+    } else {
+      stream_while<UB, false>(src, [&](const Raw (&cur)[UB], int base) {
+        return sampled_batch<UB, true>(sm, src, cur, base, fast, tau, par, run);
+      });
+    }
   } else {
     stream_while<U, false>(src, [&](const Raw (&cur)[U], int base) {
       return sampled_batch<U, false>(sm, src, cur, base, fast, tau, par, run);
@@ -1172,7 +1376,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   __syncthreads();
   TSI_MARK(4);
   if (bitmap) {
-    mark_selected(G, Q, c, t, [&](int i) { return candK[i]; }, [&](int i) { return candI[i]; });
+    mark_selected(G, Q, candK, candI, c, t);
     bitmap_emit(sm, G, Q, W, t.need_eq, [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
   } else {
     smem_select(sm, par, candK, c, t, [&](uint32_t rank, int i) { out[rank] = src.pos((int)candI[i]); });
@@ -1299,38 +1503,14 @@ __device__ void stream_mode(Smem& sm, const Src& src, int* out, int kk) {
 // candidate list does not (out of contract), the written prefix is sorted here (bitonic, in shared
 // memory; k <= LIST_CAP <= REGION_WORDS), so the output is ascending for every input.
 __device__ void sort_positions_if_unordered(Smem& sm, int* out, int kk) {
-  if (threadIdx.x == 0) sm.ctl[7] = 0u;
-  __syncthreads();  // also orders this block's global writes of out[] before the reads below
-  uint32_t bad = 0u;
-  for (int i = threadIdx.x; i + 1 < kk; i += THREADS) {
-    const int a = out[i], b = out[i + 1];
-    bad |= (uint32_t)(a >= 0 && b >= 0 && a >= b);
-  }
-  if (bad) atomicAdd(&sm.ctl[7], 1u);
-  __syncthreads();
-  if (sm.ctl[7] == 0u) return;
-  int P = 1;
-  while (P < kk) P <<= 1;
   uint32_t* v = sm.region;
-  for (int i = threadIdx.x; i < P; i += THREADS) {
-    const int x = i < kk ? out[i] : -1;
-    v[i] = x < 0 ? 0xffffffffu : (uint32_t)x;  // -1 padding sorts last
+  __syncthreads();  // orders this block's global writes of out[] before the reads below
+  for (int i = threadIdx.x; i < kk; i += THREADS) {
+    const int x = out[i];
+    v[i] = x < 0 ? NONE : (uint32_t)x;
   }
-  __syncthreads();
-  for (int size = 2; size <= P; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int i = threadIdx.x; i < P; i += THREADS) {
-        const int j = i ^ stride;
-        if (j > i) {
-          const bool up = (i & size) == 0;
-          const uint32_t a = v[i], b = v[j];
-          if ((a > b) == up) { v[i] = b; v[j] = a; }
-        }
-      }
-      __syncthreads();
-    }
-  }
-  for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = v[i] == 0xffffffffu ? -1 : (int)v[i];
+  if (!sort_if_unordered(sm, v, kk)) return;
+  for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = v[i] == NONE ? -1 : (int)v[i];
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1386,10 +1566,13 @@ __global__ void __launch_bounds__(THREADS, 2) topk_cluster_kernel(Params p, int 
   t.tkey = 0u;
   t.need_eq = 0u;
   if (total > (uint32_t)kk)
-    t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) {
-      smem_hist(sm, K, src.m, L, P);
-      cluster_hist_sum(sm, gsum, C);
-    });
+    t = resolve(
+        sm, 0, 0u, (uint32_t)kk,
+        [&](int L, uint32_t P) {
+          smem_hist(sm, K, src.m, L, P);
+          cluster_hist_sum(sm, gsum, C);
+        },
+        true);
   // This slice's counts above the threshold and equal to it, published for the other CTAs.
   uint32_t ngt = 0u, neq = 0u;
   for (int i = threadIdx.x; i < src.m; i += THREADS) {
@@ -1441,8 +1624,11 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
     return;
   }
   if (src.m <= SMEM_KEYS) {
-    smem_mode<U>(sm, src, out, kk);
-  } else if (!(p.sampled && sampled_mode<U, UB>(sm, src, out, kk))) {
+    smem_mode<U>(sm, src, out, kk);  // sorts a sparse row's staged output itself
+    return;
+  }
+  uint4* ring = reinterpret_cast<uint4*>(smem_raw + sizeof(Smem));  // MINB == 1 launches only (topk.cu)
+  if (!(p.sampled && sampled_mode<U, UB, MINB == 1 ? RING_D : 0>(sm, src, out, kk, ring))) {
     __syncthreads();
     stream_mode<U>(sm, src, out, kk);
   }
