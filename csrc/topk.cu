@@ -20,8 +20,7 @@ int log2_exact(int v) {
 
 template <class Src, int MINB>
 cudaError_t launch_variant(const Params& p, cudaStream_t stream, int dev) {
-  // One CTA per SM: room for the sampled pass's shared-memory ring after Smem.
-  const int smem = (int)sizeof(tsi::Smem) + (MINB == 1 && tsi::RING_D > 0 ? tsi::RING_BYTES : 0);
+  const int smem = (int)sizeof(tsi::Smem);
 #ifndef TSI_EMULATE
   // Raise the dynamic shared-memory limit once per device (not a stream operation: capture-safe).
   static bool done[64] = {false};

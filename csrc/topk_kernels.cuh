@@ -38,20 +38,6 @@ template <class T>
 __device__ __forceinline__ T* tsi_cluster_map(T* p, unsigned rank) {
   return cooperative_groups::this_cluster().map_shared_rank(p, rank);
 }
-// 16-byte asynchronous copy global -> shared (SM80+), and the wait for all of this thread's copies.
-__device__ __forceinline__ void tsi_cp_async16(void* smem, const void* gmem) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void tsi_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>  // all but the newest N committed groups have landed
-__device__ __forceinline__ void tsi_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void tsi_cp_async_wait_all() {
-  tsi_cp_async_commit();
-  tsi_cp_async_wait<0>();
-}
 #endif
 
 #ifndef TSI_THREADS
@@ -75,11 +61,8 @@ __device__ __forceinline__ void tsi_cp_async_wait_all() {
 #ifndef TSI_UB2  // the same, two CTAs per SM
 #define TSI_UB2 4
 #endif
-#ifndef TSI_RING_U  // tiles per stage of the shared-memory ring of the sampled pass (one CTA per SM)
-#define TSI_RING_U 4
-#endif
-#ifndef TSI_RING_D  // stages of that ring (0: no ring, the register double buffer)
-#define TSI_RING_D 3
+#ifndef TSI_SMEM_GATHER  // shared-memory rows: gather the threshold bin once (1) or sweep all keys per digit (0)
+#define TSI_SMEM_GATHER 1
 #endif
 
 namespace tsi {
@@ -875,57 +858,6 @@ __device__ __forceinline__ void stream_while(const Src& src, F&& f) {
   }
 }
 
-// Shared-memory ring of D stages of U tiles (16 bytes per thread and tile), filled by cp.async: D - 1 batches
-// stay in flight while one is processed, without registers to hold them (stream_while's register double
-// buffer has one batch in flight at a time, which bounds a CTA at ~30 GB/s: NOTES.md). A thread copies and
-// reads back only its own slots, so no barrier is involved. Chunked sources only (dense and sparse rows).
-constexpr int RING_U = TSI_RING_U;
-constexpr int RING_D = TSI_RING_D;
-constexpr int RING_BYTES = RING_D * RING_U * THREADS * 16;
-
-// Issues batch b (items b*per + u*THREADS + tid) into its stage and commits one group (an empty one past the
-// row, so that group counts stay uniform).
-template <int U, int D, class Src>
-__device__ __forceinline__ void ring_issue(uint4* ring, const Src& src, int b) {
-  constexpr int per = THREADS * U;
-  if (b * per < src.items()) {
-    uint4* st = ring + (b % D) * per + threadIdx.x;
-    const int c0 = b * per + (int)threadIdx.x;
-    if (src.full(b * per, per)) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) tsi_cp_async16(st + u * THREADS, src.ch.abase + (long long)(c0 + u * THREADS) * 16);
-    } else {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const Raw r = src.load(c0 + u * THREADS);
-        st[u * THREADS] = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
-      }
-    }
-  }
-  tsi_cp_async_commit();
-}
-
-// stream_while<U, false> through the ring; batches [0, D - 1) must have been issued (ring_issue) before. Waits
-// for every copy before it returns (the ring may then be reused or the CTA exit).
-template <int U, int D, class Src, class F>
-__device__ __forceinline__ void stream_while_ring(uint4* ring, const Src& src, F&& f) {
-  constexpr int per = THREADS * U;
-  const int nb = (src.items() + per - 1) / per;
-  for (int it = 0; it < nb; ++it) {
-    ring_issue<U, D>(ring, src, it + D - 1);  // into the stage read (and consumed) in the previous trip
-    tsi_cp_async_wait<D - 1>();                // this trip's batch has landed
-    const uint4* st = ring + (it % D) * per + threadIdx.x;
-    Raw cur[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const uint4 v = st[u * THREADS];
-      cur[u].w[0] = v.x; cur[u].w[1] = v.y; cur[u].w[2] = v.z; cur[u].w[3] = v.w;
-    }
-    if (!f(cur, it * per)) break;
-  }
-  tsi_cp_async_wait<0>();
-}
-
 template <int U, bool REV, class Src, class F>
 __device__ __forceinline__ void stream(const Src& src, F&& f) {
   stream_while<U, REV>(src, [&](const Raw (&cur)[U], int base) {
@@ -1037,56 +969,6 @@ __device__ void keys_to_smem(Smem& sm, const Src& src, uint32_t* K) {
   __syncthreads();
 }
 
-// keys_to_smem with the whole row's loads in flight at once (cp.async into shared memory, no registers held
-// for them): one memory latency per row instead of one per batch. The raw chunks land where their keys go
-// (fp32 rows whose start is 16-byte aligned: each thread converts the chunks it copied, in place) or after the
-// key array (bf16, whose keys take twice the raw bytes). Returns false, having done nothing, for rows neither
-// layout fits (misaligned fp32 rows, block_topk sources): keys_to_smem serves those.
-template <class Src>
-__device__ bool keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
-  if constexpr (Src::KIND == BLOCK) {
-    return false;
-  } else {
-    constexpr int E = Src::E;
-    const auto& ch = src.ch;
-    const int n = ch.nchunks;
-    uint32_t* R = E == 4 ? K : K + SMEM_KEYS;
-    if (E == 4 ? ch.h != 0 : 4 * n > REGION_WORDS - SMEM_KEYS) return false;
-    clear_hist(sm);
-    if (threadIdx.x == 0) sm.ctl[4] = 0u;
-    for (int c = threadIdx.x; c < n; c += THREADS) {
-      if (ch.full(c, 1)) {
-        tsi_cp_async16(R + 4 * c, ch.abase + (long long)c * 16);
-      } else {
-        const Raw r = ch.load(c);
-        *reinterpret_cast<uint4*>(R + 4 * c) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
-      }
-    }
-    tsi_cp_async_wait_all();
-    __syncthreads();  // the cleared histogram (each thread reads back only the chunks it copied)
-    const int m = src.m;
-    for (int base = 0; base < n; base += THREADS) {  // uniform trip count: hist_keys is warp-collective
-      const int c = base + (int)threadIdx.x;
-      Raw raw;
-      raw.w[0] = raw.w[1] = raw.w[2] = raw.w[3] = 0u;
-      if (c < n) {
-        const uint4 v = *reinterpret_cast<const uint4*>(R + 4 * c);
-        raw.w[0] = v.x; raw.w[1] = v.y; raw.w[2] = v.z; raw.w[3] = v.w;
-      }
-      uint32_t key[E];
-      src.elems(raw, c, key);
-#pragma unroll
-      for (int j = 0; j < E; ++j) {
-        const int i = src.index(c, j);
-        if ((key[j] != 0u || Src::KIND == SPARSE) && (uint32_t)i < (uint32_t)m) K[i] = key[j];
-      }
-      hist_keys<E>(sm, key, 0, 0u);
-    }
-    __syncthreads();
-    return true;
-  }
-}
-
 // Sorts v[0, n) ascending in shared memory if it is not already strictly ascending (NONE = no position, sorts
 // last); returns whether it sorted. v[n, P) is scratch, P = n rounded up to a power of two. Starts and ends with
 // a barrier.
@@ -1145,7 +1027,7 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
   const int m = src.m;
   int par = 0;
   TSI_MARK(10);
-  if (!keys_to_smem_async(sm, src, K)) keys_to_smem<U>(sm, src, K);
+  keys_to_smem<U>(sm, src, K);
   TSI_MARK(11);
   find_bin<NBINS>(sm, (uint32_t)kk);
   TSI_MARK(12);
@@ -1163,9 +1045,8 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
     if (c1 == need1) {
       t.tkey = (B1 << 21) > 1u ? (B1 << 21) - 1u : 0u;
       t.need_eq = 0u;
-    } else if (c1 <= (uint32_t)CAND_CAP) {
-      // Gather the threshold bin's keys (any order: only their histograms are needed) and, in the same sweep,
-      // their next digit's histogram; the last level, if needed, runs on the gathered keys.
+    } else if (TSI_SMEM_GATHER && c1 <= (uint32_t)CAND_CAP) {
+      // Gather the threshold bin's keys (any order: only their histograms are needed), then refine there.
       const int nv = (m + 3) >> 2;
       for (int base = 0; base < nv; base += THREADS) {
         const int v = base + (int)threadIdx.x;
@@ -1177,12 +1058,13 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) key[j] = (4 * v + j < m && key[j] != 0u && (key[j] >> 21) == B1) ? key[j] : 0u;
         append_nonzero<4>(candK, &sm.ctl[4], key);
-        hist_keys<4>(sm, key, 11, B1);
       }
       __syncthreads();
+      smem_hist(sm, candK, (int)c1, 11, B1);
       t = resolve(sm, 11, B1, need1, [&](int L, uint32_t P) { smem_hist(sm, candK, (int)c1, L, P); });
     } else {
-      t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, K, m, L, P); }, true);
+      smem_hist(sm, K, m, 11, B1);
+      t = resolve(sm, 11, B1, need1, [&](int L, uint32_t P) { smem_hist(sm, K, m, L, P); });
     }
   }
   __syncthreads();
@@ -1297,8 +1179,8 @@ __device__ __forceinline__ bool sampled_batch(Smem& sm, const Src& src, const Ra
   return go_on;
 }
 
-template <int U, int UB, int RD, class Src>
-__device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, uint4* ring) {
+template <int U, int UB, class Src>
+__device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   static_assert(U * THREADS * Src::E < 65536, "batch counts");
   using S = Sample<Src>;
   const int n = src.items();
@@ -1313,10 +1195,15 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, uint4* 
   if (threadIdx.x == 0) sm.ctl[4] = 0u;
   __syncthreads();
   // The sample's keys, compacted in any order (only their histograms are used), and their top digit's histogram.
+  Raw raw[S::TILES];  // every tile's load in flight before the first is used
+#pragma unroll
+  for (int s = 0; s < S::TILES; ++s)
+    raw[s] = src.load((int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x);
+#pragma unroll
   for (int s = 0; s < S::TILES; ++s) {
     const int c = (int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x;
     uint32_t key[Src::E];
-    src.elems(src.load(c), c, key);  // warp-collective: every thread calls it
+    src.elems(raw[s], c, key);  // warp-collective: every thread calls it
 #pragma unroll
     for (int j = 0; j < Src::E; ++j) key[j] = (int)threadIdx.x < S::ITEMS ? key[j] : 0u;
     append_nonzero<Src::E>(candK, &sm.ctl[4], key);
@@ -1329,12 +1216,6 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, uint4* 
   int j = (target_count(kk, CAND_CAP) * (S::TILES * S::ITEMS) + n - 1) / n;
   j = j < 1 ? 1 : j;
   if (j > sv) return false;
-  const bool bitmap = src.m <= BITMAP_ELEMS;
-  constexpr bool RING = RD > 0 && Src::KIND != BLOCK;
-  if constexpr (RING) {  // the pass's first batches load while the threshold is computed
-    if (bitmap)
-      for (int b = 0; b < RD - 1; ++b) ring_issue<RING_U, RD>(ring, src, b);
-  }
   const uint32_t tau = sample_tau(sm, candK, sv, (uint32_t)j);
   // Dense rows and a positive threshold (the common case): the cheap bit test of DenseSrc::pos_mask, keys
   // computed only for the elements that pass (a loop over the set bits: about 3% of them). Other rows and
@@ -1343,8 +1224,9 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, uint4* 
   // evicted from L2 by then.)
   bool fast = false;
   if constexpr (Src::KIND == DENSE) fast = tau > 0x80000000u;
+  const bool bitmap = src.m <= BITMAP_ELEMS;
   const int W = (src.m + 31) >> 5;
-  if (threadIdx.x == 0) sm.ctl[4] = 0u;
+  if (threadIdx.x == 0) sm.ctl[4] = sm.ctl[5] = 0u;
   if (bitmap)
     for (int w = threadIdx.x; w < W; w += THREADS) G[w] = Q[w] = 0u;
   __syncthreads();
@@ -1352,15 +1234,9 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, uint4* 
   int par = 0;
   uint32_t run = 0u;
   if (bitmap) {
-    if constexpr (RING) {
-      stream_while_ring<RING_U, RD>(ring, src, [&](const Raw (&cur)[RING_U], int base) {
-        return sampled_batch<RING_U, true>(sm, src, cur, base, fast, tau, par, run);
-      });
-    } else {
-      stream_while<UB, false>(src, [&](const Raw (&cur)[UB], int base) {
-        return sampled_batch<UB, true>(sm, src, cur, base, fast, tau, par, run);
-      });
-    }
+    stream_while<UB, false>(src, [&](const Raw (&cur)[UB], int base) {
+      return sampled_batch<UB, true>(sm, src, cur, base, fast, tau, par, run);
+    });
   } else {
     stream_while<U, false>(src, [&](const Raw (&cur)[U], int base) {
       return sampled_batch<U, false>(sm, src, cur, base, fast, tau, par, run);
@@ -1371,8 +1247,30 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, uint4* 
   const uint32_t cnt = bitmap ? sm.ctl[4] : run;
   if (cnt < (uint32_t)kk || cnt > (uint32_t)CAND_CAP) return false;
   const int c = (int)cnt;
-  smem_hist(sm, candK, c, 0, 0u);
-  const Thresh t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, candK, c, L, P); });
+  // Every buffered key is >= tau, so the k-th best lies in tau's top-digit bin Bt unless k of them lie above
+  // it: one sweep counts those and builds the bin's next-digit histogram, skipping the top level (whose
+  // histogram would pile the buffer onto a few bins).
+  const uint32_t Bt = tau >> 21;
+  uint32_t above = 0u;
+  for (int i = threadIdx.x; i < c; i += THREADS) {
+    const uint32_t key = candK[i], d = key >> 21;
+    above += d > Bt;
+    if (d == Bt) atomicAdd(&sm.hist[(key >> 10) & 0x7ffu], 1u);
+  }
+  above = __reduce_add_sync(FULL, above);
+  if ((threadIdx.x & 31) == 0 && above != 0u) atomicAdd(&sm.ctl[5], above);
+  __syncthreads();
+  const uint32_t na = sm.ctl[5];
+  auto next_hist = [&](int L, uint32_t P) { smem_hist(sm, candK, c, L, P); };
+  Thresh t;
+  if (na < (uint32_t)kk) {
+    t = resolve(sm, 11, Bt, (uint32_t)kk - na, next_hist);
+  } else {
+    clear_hist(sm);
+    __syncthreads();
+    smem_hist(sm, candK, c, 0, 0u);
+    t = resolve(sm, 0, 0u, (uint32_t)kk, next_hist);
+  }
   __syncthreads();
   TSI_MARK(4);
   if (bitmap) {
@@ -1627,8 +1525,7 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
     smem_mode<U>(sm, src, out, kk);  // sorts a sparse row's staged output itself
     return;
   }
-  uint4* ring = reinterpret_cast<uint4*>(smem_raw + sizeof(Smem));  // MINB == 1 launches only (topk.cu)
-  if (!(p.sampled && sampled_mode<U, UB, MINB == 1 ? RING_D : 0>(sm, src, out, kk, ring))) {
+  if (!(p.sampled && sampled_mode<U, UB>(sm, src, out, kk))) {
     __syncthreads();
     stream_mode<U>(sm, src, out, kk);
   }

@@ -196,8 +196,3 @@ inline T __ldg(const T* p) {
   return *p;
 }
 inline unsigned atomicOr(unsigned* a, unsigned v) { return std::atomic_ref<unsigned>(*a).fetch_or(v); }
-inline void tsi_cp_async16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
-inline void tsi_cp_async_commit() {}
-template <int N>
-inline void tsi_cp_async_wait() {}
-inline void tsi_cp_async_wait_all() {}
