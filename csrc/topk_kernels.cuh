@@ -290,24 +290,28 @@ struct SparseSrc {
   __device__ __forceinline__ Raw load(int c) const { return ch.load(c); }
   __device__ __forceinline__ bool full(int c0, int n) const { return ch.full(c0, n); }
   __device__ __forceinline__ Raw load_full(int c) const { return ch.load_full(c); }
-  __device__ __forceinline__ bool valid_col(int b, int o) const {
-    return b >= 0 && (long long)b * cbs + o < len;
+  // Valid columns at the start of candidate block id b: 0 for a -1 block, fewer than cbs for the block the
+  // row's length cuts.
+  __device__ __forceinline__ int valid_in(int b) const {
+    if (b < 0) return 0;
+    const long long r = len - (long long)b * cbs;
+    return r <= 0 ? 0 : (r >= cbs ? cbs : (int)r);
   }
   __device__ __forceinline__ void elems(const Raw& raw, int c, uint32_t (&key)[E]) const {
     int col0 = c * E - ch.h;
-    // A chunk spans at most two candidate blocks (cbs >= E).
+    // A chunk spans at most two candidate blocks (cbs >= E): their valid prefixes, once per chunk.
     int first = col0 < 0 ? 0 : col0;
     int last = col0 + E - 1 >= m ? m - 1 : col0 + E - 1;
     bool any = c < ch.nchunks && first <= last;
-    int bfirst = any ? __ldg(blk + (first >> lcbs)) : -1;
-    int blast = any ? __ldg(blk + (last >> lcbs)) : -1;
+    const int vfirst = any ? valid_in(__ldg(blk + (first >> lcbs))) : 0;
+    const int vlast = any ? valid_in(__ldg(blk + (last >> lcbs))) : 0;
     int jfirst = first >> lcbs;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       int col = col0 + j;
       bool in = any && col >= 0 && col < m;
-      int b = ((col >> lcbs) == jfirst) ? bfirst : blast;
-      bool ok = in && valid_col(b, col & (cbs - 1));
+      int v = ((col >> lcbs) == jfirst) ? vfirst : vlast;
+      bool ok = in && (col & (cbs - 1)) < v;
       key[j] = ok ? f32_key(DT<T>::bits(raw.w, j)) : 0u;
     }
   }
