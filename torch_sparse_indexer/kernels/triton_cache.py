@@ -80,14 +80,15 @@ def _e4m3_rne_bytes(x):
 
 @triton.jit
 def _e2m1_codes(x):
-    """fp32 ``x`` (already divided by its scale: |x| <= 6) -> e2m1 codes 0..15 (ties to even, -0 -> +0).
-    |x| >= 1: the fp32 bits rounded half-even to one mantissa bit, whose exponent and bit are the code (2..7);
-    below 1: round-half-even(2|x|) = 0, 1 or 2 through the 2^23 addend (a few ops instead of seven compares)."""
+    """fp32 ``x`` (already divided by its scale) -> e2m1 codes 0..15 (ties to even, saturating, -0 -> +0, NaN -> 0,
+    as ``formats.e2m1_encode``). |x| >= 1: the fp32 bits rounded half-even to one mantissa bit, whose exponent and
+    bit are the code (2..7; finite scaled inputs stay <= 6, inf saturates); below 1: round-half-even(2|x|) = 0, 1
+    or 2 through the 2^23 addend. A few ops per value instead of seven compares (MXFP4 writes are ALU-bound)."""
     a = tl.abs(x)
     bits = a.to(tl.int32, bitcast=True)
-    big = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
+    big = tl.minimum(((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252, 7)
     small = ((a * 2.0 + 8388608.0) - 8388608.0).to(tl.int32)
-    c = tl.where(a < 1.0, small, big)
+    c = tl.where(a >= 1.0, big, tl.where(a < 1.0, small, 0))
     sign = ((x < 0) & (c != 0)).to(tl.int32) << 3
     return c | sign
 
