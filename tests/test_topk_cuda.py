@@ -136,11 +136,15 @@ def _pattern(name, R, W, gen):
         return torch.randn(R, W, generator=gen) * 1e-42
     if name == "ascending":  # every new element beats the previous ones
         return torch.arange(W, dtype=torch.float32).expand(R, W).contiguous()
+    if name == "log_uniform":  # magnitudes over 2^-60 .. 2^60: a few elements per 11-bit bin, so more than k
+        # of the sampled pass's candidates lie above the sample threshold's bin (its top-level fallback)
+        mag = torch.exp2(torch.rand(R, W, generator=gen) * 120 - 60)
+        return torch.where(torch.rand(R, W, generator=gen) < 0.5, -mag, mag)
     raise ValueError(name)
 
 
 PATTERNS = ["randn", "all_equal", "signed_zeros", "few_values", "threshold_ties", "one_bin", "neg_inf", "nan",
-            "specials", "nan_neginf", "denormals", "ascending"]
+            "specials", "nan_neginf", "denormals", "ascending", "log_uniform"]
 
 
 # ----------------------------------------------------------------------------------------------------
