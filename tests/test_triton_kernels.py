@@ -310,6 +310,27 @@ def test_dot_scaled_path(D, seed, gen, monkeypatch):
 # Cache kernels: byte-exact
 # ----------------------------------------------------------------------------------------------------
 
+def test_write_k_cache_mxfp4_rounding_ties():
+    """Every e2m1 rounding boundary (0.25, 0.75, ..., 5: ties to even) and its fp32 neighbours, in groups
+    whose scale is exactly 2^e (amax 6 * 2^e), so the kernel's bit-level encoder sees the boundary values
+    themselves; plus +-6 and zeros of both signs. Bytes equal to the reference's compare-based encoder."""
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    vals = torch.cat([bounds, torch.nextafter(bounds, torch.full_like(bounds, 10.0)),
+                      torch.nextafter(bounds, torch.zeros_like(bounds)), torch.tensor([0.0, -0.0, 6.0])])
+    vals = torch.cat([vals, -vals])  # 50 values: two 32-groups per row after padding with zeros
+    row = torch.zeros(64)
+    row[: vals.numel()] = vals
+    row[31] = row[63] = 6.0  # each group's amax: scale 2^0
+    x = torch.stack([row * 2.0 ** e for e in (-20, -3, 0, 4)])
+    slot = torch.arange(x.shape[0])
+    want = torch.zeros(1, 16, formats.bytes_per_token("mxfp4", 64), dtype=torch.uint8)
+    reference.write_k_cache(x, slot, want, "mxfp4", True)
+    got = torch.zeros_like(want).to(DEV)
+    with backends.use_backend("triton"):
+        ops.write_k_cache(x.to(DEV), slot.to(DEV), got, "mxfp4", True)
+    assert torch.equal(got.cpu(), want), f"{int((got.cpu() != want).sum())} bytes differ"
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("kdtype", [torch.bfloat16, torch.float32, torch.float16])
