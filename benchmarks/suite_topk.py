@@ -104,6 +104,26 @@ def _topk_case(R, W, k, dtype, gen):
     return rows
 
 
+def _pattern_case(R, W, k, pattern, gen):
+    """Rows that put most keys in one histogram bin: ``all_equal`` (every score 0) and ``neg_inf_half`` (the
+    second half of each row masked to -inf, as causal masking leaves prefill rows): the one-bin path of the
+    histogram, against the same shape of random rows."""
+    x = torch.randn(R, W, generator=gen).to(DEV)
+    if pattern == "all_equal":
+        x.zero_()
+    else:
+        x[:, W // 2:] = float("-inf")
+    lens = _lengths(R, W, gen)
+    out = torch.empty(R, k, dtype=torch.int32, device=DEV)
+    ours = lambda: ct.topk(x, lens, k, out)  # noqa: E731
+    ours()
+    check = _check(None, lambda e, r: reference.topk(x[:r], lens[:r], k, e), out)
+    t = common.time_us(ours)
+    return [common.record(op="topk", shape=f"{R}x{W // 1024}K {pattern}", k=k,
+                          floor_us=common.floor_us(x.numel() * 4), impl="cuda", time_us=t,
+                          kernel_us=common.kernel_us(ours), x_read=float("nan"), x_torch=float("nan"), check=check)]
+
+
 def _sparse_case(R, nb, cbs, k, gen):
     W = nb * cbs
     x = torch.randn(R, W, generator=gen).to(DEV)
@@ -154,6 +174,8 @@ def run(args) -> list[dict]:
         rows += _topk_case(64, 1 << 20, 2048, torch.float32, gen)
     R = 512 if q else 4096
     rows += _topk_case(R, 16384, 2048, torch.float32, gen)
+    for pattern in ("all_equal", "neg_inf_half"):
+        rows += _pattern_case(R, 16384, 2048, pattern, gen)
     rows += _sparse_case(R, 2048, 8, 2048, gen)
     rows += _topk_case(R, K128, 2048, torch.float32, gen)
     if not TARGETS_ONLY:

@@ -110,7 +110,7 @@ struct Params {
 };
 
 struct Smem {
-  uint32_t hist[NBINS];
+  uint32_t hist[NBINS + 32];  // the digit histogram, then one sink word per lane (hist_inc)
   alignas(8) uint32_t scan[2][MAX_U * NWARPS];
   uint32_t ctl[8];
   alignas(16) uint32_t region[REGION_WORDS];
@@ -122,10 +122,13 @@ struct Smem {
 
 // Order-preserving key of fp32 bits: -0 == +0, NaN (any payload) = 1 < key(-inf) = 0x007fffff.
 // Branch-free: this runs once per score in every streaming pass.
+// Five instructions (an add, a NaN test, the flip): -0 + +0 is +0 under round-to-nearest, and nvcc keeps the add
+// (it is not an identity in IEEE arithmetic; this file is never built with fast-math).
 __device__ __forceinline__ uint32_t f32_key(uint32_t b) {
-  b = (b == 0x80000000u) ? 0u : b;
+  const float x = __uint_as_float(b) + 0.0f;
+  b = __float_as_uint(x);
   const uint32_t k = b ^ ((uint32_t)((int32_t)b >> 31) | 0x80000000u);
-  return ((b & 0x7fffffffu) > 0x7f800000u) ? 1u : k;
+  return x != x ? 1u : k;
 }
 
 template <typename T> struct DT;
@@ -243,6 +246,11 @@ struct DenseSrc {
       key[j] = (uint32_t)(col0 + j) < (uint32_t)m ? k : 0u;
     }
   }
+  // elems() of an item of a batch that full() accepted: every column lies inside the row.
+  __device__ __forceinline__ void elems_inside(const Raw& raw, uint32_t (&key)[E]) const {
+#pragma unroll
+    for (int j = 0; j < E; ++j) key[j] = f32_key(DT<T>::bits(raw.w, j));
+  }
   __device__ __forceinline__ int index(int c, int j) const { return c * E - ch.h + j; }
   __device__ __forceinline__ int pos(int i) const { return off + i; }
   // Bit j: element j of the item has key >= tau, for a positive threshold tau > key(+0) given as
@@ -267,6 +275,7 @@ struct DenseSrc {
 
 template <typename T>
 struct SparseSrc {
+  using Elem = T;
   static constexpr int KIND = SPARSE;
   static constexpr int E = DT<T>::V;
   Chunks<T> ch;
@@ -295,13 +304,18 @@ struct SparseSrc {
     return r <= 0 ? 0 : (r >= cbs ? cbs : (int)r);
   }
   __device__ __forceinline__ void elems(const Raw& raw, int c, uint32_t (&key)[E]) const {
+    elems_with(raw, c, key, [&](int b) { return valid_in(__ldg(blk + b)); });
+  }
+  // elems() given valid(b) = valid_in(block id of candidate b).
+  template <class Valid>
+  __device__ __forceinline__ void elems_with(const Raw& raw, int c, uint32_t (&key)[E], Valid&& valid) const {
     int col0 = c * E - ch.h;
     // A chunk spans at most two candidate blocks (cbs >= E): their valid prefixes, once per chunk.
     int first = col0 < 0 ? 0 : col0;
     int last = col0 + E - 1 >= m ? m - 1 : col0 + E - 1;
     bool any = c < ch.nchunks && first <= last;
-    const int vfirst = any ? valid_in(__ldg(blk + (first >> lcbs))) : 0;
-    const int vlast = any ? valid_in(__ldg(blk + (last >> lcbs))) : 0;
+    const int vfirst = any ? valid(first >> lcbs) : 0;
+    const int vlast = any ? valid(last >> lcbs) : 0;
     int jfirst = first >> lcbs;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
@@ -316,6 +330,18 @@ struct SparseSrc {
   __device__ __forceinline__ int pos(int i) const {
     long long p = (long long)__ldg(blk + (i >> lcbs)) * cbs + (i & (cbs - 1));
     return (int)p;
+  }
+};
+
+// A sparse row whose candidates' valid prefixes were computed once into shared memory (smem_mode): the load
+// loop then reads them from shared memory instead of waiting on two dependent global loads per chunk (on the
+// H200 those waits were the largest stall of sparse_topk's shared-memory rows; NOTES.md).
+template <typename T>
+struct SparseTabSrc : SparseSrc<T> {
+  const int* tv;  // shared memory: valid_in(block id) per candidate block of the row
+  __device__ SparseTabSrc(const SparseSrc<T>& s, const int* tv_) : SparseSrc<T>(s), tv(tv_) {}
+  __device__ __forceinline__ void elems(const Raw& raw, int c, uint32_t (&key)[SparseSrc<T>::E]) const {
+    this->elems_with(raw, c, key, [&](int b) { return tv[b]; });
   }
 };
 
@@ -546,32 +572,24 @@ __device__ __forceinline__ void append_nonzero(uint32_t* dst, uint32_t* count, c
     if (key[j] != 0u) dst[o++] = key[j];
 }
 
+// Counts one element in bin b where ok. Lanes without an element add to their own sink word past the
+// histogram instead of skipping the atomic: a conditional shared-memory atomic compiles to a branch and a
+// reconvergence point around it (ptxas does so even for a predicated `red` in inline PTX), five instructions
+// where a select and the atomic do (NOTES.md, Nsight Compute). The sinks (bank = lane) never conflict with
+// each other, and the hardware merges lanes that hit one bin, so a warp whose keys all share a bin costs no
+// more than any other (measured: the old per-warp one-bin test gained nothing on all-equal rows).
+__device__ __forceinline__ void hist_inc(Smem& sm, uint32_t b, bool ok) {
+  atomicAdd(&sm.hist[ok ? b : NBINS + (threadIdx.x & 31u)], 1u);
+}
+
 __device__ __forceinline__ void clear_hist(Smem& sm) {
   for (int i = threadIdx.x; i < NBINS; i += THREADS) sm.hist[i] = 0u;
 }
 
-// Adds E bins (valid where ok) to the histogram. A thread whose E elements share one bin adds once,
-// and a warp whose threads all do adds once per warp (all-equal and one-bin rows would otherwise
-// serialize 32*E atomics on one address); otherwise one atomic per element.
 template <int E>
 __device__ __forceinline__ void hist_add(Smem& sm, const uint32_t (&bin)[E], const bool (&ok)[E]) {
-  bool same = ok[0];
 #pragma unroll
-  for (int j = 1; j < E; ++j) same = same && ok[j] && bin[j] == bin[0];
-  if (__all_sync(FULL, same)) {
-    const uint32_t b0 = __shfl_sync(FULL, bin[0], 0);
-    if (__all_sync(FULL, bin[0] == b0)) {
-      if ((threadIdx.x & 31) == 0) atomicAdd(&sm.hist[b0], 32u * E);
-      return;
-    }
-  }
-  if (same) {
-    atomicAdd(&sm.hist[bin[0]], (uint32_t)E);
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < E; ++j)
-    if (ok[j]) atomicAdd(&sm.hist[bin[j]], 1u);
+  for (int j = 0; j < E; ++j) hist_inc(sm, bin[j], ok[j]);
 }
 
 // Digit of a key at prefix length L (0, 11, 22 bits fixed): bits [31:21], [20:10], [9:0].
@@ -707,33 +725,42 @@ __device__ void smem_select(Smem& sm, int& par, const uint32_t* keys, int count,
   uint32_t rg = 0, re = 0;
   for (int base = 0; base < count; base += THREADS * PER) {
     const int i0 = base + (int)threadIdx.x * PER;
+    const bool inside = base + THREADS * PER <= count;  // uniform: whole tiles skip the bounds tests
     uint32_t key[PER];
 #pragma unroll
     for (int q = 0; q < PER / 4; ++q) {
       uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (i0 + 4 * q < count) v = *reinterpret_cast<const uint4*>(keys + i0 + 4 * q);
+      if (inside || i0 + 4 * q < count) v = *reinterpret_cast<const uint4*>(keys + i0 + 4 * q);
       key[4 * q] = v.x; key[4 * q + 1] = v.y; key[4 * q + 2] = v.z; key[4 * q + 3] = v.w;
     }
+    if (!inside) {
 #pragma unroll
-    for (int j = 0; j < PER; ++j) key[j] = i0 + j < count ? key[j] : 0u;
+      for (int j = 0; j < PER; ++j) key[j] = i0 + j < count ? key[j] : 0u;
+    }
     select_tile<PER>(sm, par, key, t, rg, re, [&](uint32_t rank, int j) { emit(rank, i0 + j); });
   }
 }
 
 // Histogram of the digit at prefix length L over `count` keys in shared memory with prefix P, added to the
-// zero histogram find_bin leaves (after its final barrier). Ends with a barrier.
+// zero histogram find_bin leaves (after its final barrier). Ends with a barrier. Whole 16-byte groups without
+// per-key bounds tests, the last count % 4 keys by one thread: the sweep runs once or twice per shared-memory
+// row over all its keys, and its per-key instructions were a quarter of that kernel's (NOTES.md).
 __device__ void smem_hist(Smem& sm, const uint32_t* keys, int count, int L, uint32_t P) {
-  const int nv = (count + 3) >> 2;
+  const int s = digit_shift(L);
+  const uint32_t msk = digit_mask(L);
+  const uint32_t pmask = L == 0 ? 0u : 0xffffffffu << (32 - L);  // has_prefix without the L == 0 branch
+  const uint32_t pval = L == 0 ? 0u : P << (32 - L);
+  const int nv = count >> 2;
   for (int v = threadIdx.x; v < nv; v += THREADS) {
     const uint4 q = *reinterpret_cast<const uint4*>(keys + 4 * v);
-    const uint32_t key[4] = {q.x, 4 * v + 1 < count ? q.y : 0u, 4 * v + 2 < count ? q.z : 0u,
-                             4 * v + 3 < count ? q.w : 0u};
-    const int s = digit_shift(L);
-    const uint32_t msk = digit_mask(L);
+    const uint32_t key[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      if (has_prefix(key[j], L, P)) atomicAdd(&sm.hist[(key[j] >> s) & msk], 1u);
+      hist_inc(sm, (key[j] >> s) & msk, key[j] != 0u && (key[j] & pmask) == pval);
   }
+  if (threadIdx.x == 0)
+    for (int i = nv * 4; i < count; ++i)
+      if (has_prefix(keys[i], L, P)) atomicAdd(&sm.hist[(keys[i] >> s) & msk], 1u);
   __syncthreads();
 }
 
@@ -945,25 +972,57 @@ __device__ void final_global(Smem& sm, int& par, const Src& src, const Thresh& t
   });
 }
 
-// One read of the row: every key to K[0, m) in shared memory, the coarse histogram to sm.hist (and
-// ctl[4] = 0). Ends with a barrier.
+// One read of the row: every key to K[0, m) in shared memory, zeros in K[m, m rounded up to 16), the coarse
+// histogram to sm.hist (and ctl[4] = 0). Ends with a barrier. This loop was the largest share of the
+// shared-memory rows' instructions (NOTES.md), hence: keys stored 16 bytes at a time where the row's element 0
+// starts an item's group of 4 (fp32 rows 16-byte aligned, bf16 rows 8-byte aligned; keys past m are 0, so those
+// stores also pad), and dense batches inside the row skip the per-key bounds tests.
 template <int U, class Src>
 __device__ void keys_to_smem(Smem& sm, const Src& src, uint32_t* K) {
   const int m = src.m;
+  constexpr bool VEC = Src::E % 4 == 0;
+  const bool vec = VEC && (src.index(0, 0) & 3) == 0;
+  const int stored = vec ? (m + 3) & ~3 : m;  // K[0, stored) is written by the pass
   clear_hist(sm);
   if (threadIdx.x == 0) sm.ctl[4] = 0u;
+  for (int i = stored + (int)threadIdx.x; i < ((m + 15) & ~15); i += THREADS) K[i] = 0u;
   __syncthreads();
   stream<U, false>(src, [&](const Raw (&cur)[U], int base) {
+    auto store = [&](int u, const uint32_t (&key)[Src::E]) {
+      const int c = base + u * THREADS + (int)threadIdx.x;
+      if (VEC && vec) {
+#pragma unroll
+        for (int q = 0; q < (VEC ? Src::E / 4 : 0); ++q) {
+          const int i = src.index(c, 4 * q);  // a multiple of 4: i < stored implies i + 3 < stored
+          if ((uint32_t)i < (uint32_t)stored)
+            *reinterpret_cast<uint4*>(K + i) = make_uint4(key[4 * q], key[4 * q + 1], key[4 * q + 2], key[4 * q + 3]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < Src::E; ++j) {
+          const int i = src.index(c, j);
+          if ((key[j] != 0u || Src::KIND == SPARSE) && (uint32_t)i < (uint32_t)m) K[i] = key[j];
+        }
+      }
+    };
+    if constexpr (Src::KIND == DENSE) {
+      if (src.full(base, U * THREADS)) {  // every key is an element: no validity anywhere
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          uint32_t key[Src::E];
+          src.elems_inside(cur[u], key);
+          store(u, key);
+#pragma unroll
+          for (int j = 0; j < Src::E; ++j) atomicAdd(&sm.hist[key[j] >> 21], 1u);
+        }
+        return;
+      }
+    }
     uint32_t key[U][Src::E];
     batch_keys<U>(src, cur, base, key);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int c = base + u * THREADS + (int)threadIdx.x;
-#pragma unroll
-      for (int j = 0; j < Src::E; ++j) {
-        const int i = src.index(c, j);
-        if ((key[u][j] != 0u || Src::KIND == SPARSE) && (uint32_t)i < (uint32_t)m) K[i] = key[u][j];
-      }
+      store(u, key[u]);
       hist_keys<Src::E>(sm, key[u], 0, 0u);
     }
   });
@@ -1021,7 +1080,7 @@ __device__ void write_staged(Smem& sm, const Src& src, uint32_t* stage, int r, i
 }
 
 template <int U, class Src>
-__device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
+__device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   uint32_t* K = sm.region;
   uint32_t* stage = sm.region + SMEM_KEYS;  // the selection's element indices (kk <= LIST_CAP <= CAND_CAP)
   const int m = src.m;
@@ -1033,31 +1092,35 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
   TSI_MARK(12);
   const uint32_t total = sm.ctl[3];
   Thresh t;
-  int r;
-  if (total <= (uint32_t)kk) {
-    t.tkey = 0u;
-    t.need_eq = 0u;
-    r = (int)total;
-  } else {
-    r = kk;
-    const uint32_t B1 = sm.ctl[0], above1 = sm.ctl[1], c1 = sm.ctl[2];
-    const uint32_t need1 = (uint32_t)kk - above1;
-    if (c1 == need1) {
-      t.tkey = (B1 << 21) > 1u ? (B1 << 21) - 1u : 0u;
-      t.need_eq = 0u;
-    } else {
-      // Each finer digit's histogram sweeps all keys, filtered by the fixed prefix: cheaper on the H200 than
-      // gathering the threshold bin's keys first (4096 x 16K: 225 vs 261 us, NOTES.md), the gather's
-      // warp-aggregated appends costing more than the later levels' filtered sweeps (usually one).
-      smem_hist(sm, K, m, 11, B1);
-      t = resolve(sm, 11, B1, need1, [&](int L, uint32_t P) { smem_hist(sm, K, m, L, P); });
-    }
-  }
+  t.tkey = 0u;
+  t.need_eq = 0u;
+  const int r = total <= (uint32_t)kk ? (int)total : kk;
+  // Each finer digit's histogram sweeps all keys, filtered by the fixed prefix: cheaper on the H200 than
+  // gathering the threshold bin's keys first (4096 x 16K: 225 vs 261 us, NOTES.md), the gather's
+  // warp-aggregated appends costing more than the later levels' filtered sweeps (usually one).
+  if (total > (uint32_t)kk)
+    t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, K, m, L, P); }, /*have_bin=*/true);
   __syncthreads();
   TSI_MARK(13);
   smem_select(sm, par, K, m, t, [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
   write_staged(sm, src, stage, r, out, kk);
   TSI_MARK(14);
+}
+
+// Shared-memory rows. Sparse rows first put their candidates' valid prefixes in shared memory, in the
+// staging area past the keys (free until the selection, which comes after the load that reads them).
+template <int U, class Src>
+__device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
+  if constexpr (Src::KIND == SPARSE) {
+    static_assert(REGION_WORDS - SMEM_KEYS >= SMEM_KEYS / 8, "one valid count per block of at least 8 keys");
+    int* tv = reinterpret_cast<int*>(sm.region + SMEM_KEYS);
+    const int nb = (src.m + src.cbs - 1) >> src.lcbs;
+    for (int b = threadIdx.x; b < nb; b += THREADS) tv[b] = src.valid_in(__ldg(src.blk + b));
+    // keys_to_smem's first barrier orders these stores before the load loop's reads
+    smem_rows<U>(sm, SparseTabSrc<typename Src::Elem>(src, tv), out, kk);
+  } else {
+    smem_rows<U>(sm, src, out, kk);
+  }
 }
 
 // Sampled threshold (streamed rows): one read of the row instead of two, and no histogram atomics over
@@ -1241,7 +1304,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   for (int i = threadIdx.x; i < c; i += THREADS) {
     const uint32_t key = candK[i], d = key >> 21;
     above += d > Bt;
-    if (d == Bt) atomicAdd(&sm.hist[(key >> 10) & 0x7ffu], 1u);
+    hist_inc(sm, (key >> 10) & 0x7ffu, d == Bt);
   }
   above = __reduce_add_sync(FULL, above);
   if ((threadIdx.x & 31) == 0 && above != 0u) atomicAdd(&sm.ctl[5], above);

@@ -189,6 +189,16 @@ inline unsigned __reduce_add_sync(unsigned, unsigned v) {
   return s;
 }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline float __uint_as_float(unsigned v) {
+  float f;
+  std::memcpy(&f, &v, 4);
+  return f;
+}
+inline unsigned __float_as_uint(float f) {
+  unsigned v;
+  std::memcpy(&v, &f, 4);
+  return v;
+}
 inline int __ffs(int v) { return __builtin_ffs(v); }
 inline unsigned atomicAdd(unsigned* a, unsigned v) { return std::atomic_ref<unsigned>(*a).fetch_add(v); }
 template <class T>

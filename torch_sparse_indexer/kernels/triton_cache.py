@@ -26,12 +26,13 @@ CONFIG_OVERRIDES: dict = {}
 
 
 def _write_config():
-    """(tokens per program, integer e4m3 rounding, warps); an override may leave out the warps (4). On the GPU
+    """(tokens per program, integer e4m3 rounding, warps, L2 hints); an override may leave out the last two
+    (4 warps, no hints). On the GPU
     the e4m3 bytes come from triton's fp8 cast (the hardware's round-to-nearest-even conversion: 206 -> 129 us
     for 1M tokens, bytes equal to the reference's there; quantize_q uses it too); the integer rounding serves
     the interpreter, whose cast does not round."""
-    cfg = CONFIG_OVERRIDES.get("write", (_TOK, _INTERPRET))
-    return tuple(cfg) + (4,) * (3 - len(cfg))
+    cfg = tuple(CONFIG_OVERRIDES.get("write", (_TOK, _INTERPRET)))
+    return cfg + (4, False)[len(cfg) - 2:]
 
 
 def _gather_config(R: int):
@@ -128,12 +129,18 @@ def _quant_rows(x, ROWS: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, POW2:
             do_not_specialize_on_alignment=["slot_ptr"])
 def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, BS, PAGE_STRIDE,
                   D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr, TOK: tl.constexpr,
-                  SOFT_FP8: tl.constexpr):
+                  SOFT_FP8: tl.constexpr, HINTS: tl.constexpr):
     VB: tl.constexpr = D // 2 if FP4 else D
+    # HINTS: the K rows and value bytes stream through L2 once (evict first); the 4-byte scale words, one per
+    # token at its page's end, stay (evict last) so that neighbouring slots' words written by other programs
+    # merge into whole sectors in L2 instead of each leaving as a partial-sector write.
+    EV_STREAM: tl.constexpr = "evict_first" if HINTS else ""
+    EV_SCALE: tl.constexpr = "evict_last" if HINTS else ""
     t = tl.program_id(0) * TOK + tl.arange(0, TOK)
     tm = t < T
     d = tl.arange(0, D)
-    x = tl.load(k_ptr + t.to(tl.int64)[:, None] * D + d[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+    x = tl.load(k_ptr + t.to(tl.int64)[:, None] * D + d[None, :], mask=tm[:, None], other=0.0,
+                eviction_policy=EV_STREAM).to(tl.float32)
     slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
     keep = tm & (slot >= 0) & (slot < NSLOT)
     slot = tl.where(keep, slot, 0)
@@ -144,12 +151,12 @@ def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, BS, PAGE_STRIDE,
     # Offsets built as multiples of 16 (page stride % 16 == 0 is checked on the host) so the stores are
     # 16-byte vectors; a multiple_of hint on the runtime stride does not carry through the product.
     row = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
-    tl.store(kv_ptr + row[:, None] + vb[None, :], vals, mask=keep[:, None])
+    tl.store(kv_ptr + row[:, None] + vb[None, :], vals, mask=keep[:, None], eviction_policy=EV_STREAM)
     sidx = (page * (PAGE_STRIDE // 4) + BS * (VB // 4)) + off
     if FP4:
-        tl.store(kv_ptr.to(tl.pointer_type(tl.int32)) + sidx, sc, mask=keep)
+        tl.store(kv_ptr.to(tl.pointer_type(tl.int32)) + sidx, sc, mask=keep, eviction_policy=EV_SCALE)
     else:
-        tl.store(kv_ptr.to(tl.pointer_type(tl.float32)) + sidx, sc, mask=keep)
+        tl.store(kv_ptr.to(tl.pointer_type(tl.float32)) + sidx, sc, mask=keep, eviction_policy=EV_SCALE)
 
 
 @triton.jit
@@ -241,9 +248,10 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     T, D = k.shape
     if T == 0:
         return
-    tok, soft, warps = _write_config()
+    tok, soft, warps, hints = _write_config()
     _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, bs, stride, D=D, FP4=fmt == "mxfp4",
-                                          POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft, num_warps=warps)
+                                          POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft, HINTS=bool(hints),
+                                          num_warps=warps)
 
 
 def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
