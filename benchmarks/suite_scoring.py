@@ -394,8 +394,8 @@ def bench_cache(rows, quick):
         # (tokens per program, integer e4m3 rounding[, warps[, L2 hints]]): the default and its alternatives (FP8
         # on random slots is 5% short of its target, its scale words each a partial-sector write: hints keep them
         # in L2 until neighbouring slots fill their sectors)
-        _sweep(rows, tc.CONFIG_OVERRIDES, "write", [(64, True), (64, False, 4, True), (64, False, 8, True),
-                                                    (128, False, 8, True), (32, False, 2, True), (64, False, 8)],
+        _sweep(rows, tc.CONFIG_OVERRIDES, "write", [(64, True), (64, False, 4, False), (32, False, 2, True),
+                                                    (16, False, 1, True), (32, False, 4, True), (128, False, 4, True)],
                fn, op="write_k_cache",
                fmt=fmt, shape=f"T{T} D{D} bf16", floor=common.floor_us(by), nbytes=by, check=write_check)
         bt = torch.randperm(nb, device=DEV).to(torch.int32).view(1, nb)

@@ -691,6 +691,23 @@ template <int E, class Emit>
 __device__ __forceinline__ void select_tile(Smem& sm, int& par, const uint32_t (&key)[E], const Thresh& t,
                                             uint32_t& run_gt, uint32_t& run_eq, Emit&& emit) {
   static_assert(THREADS * E < 65536, "packed tile counts");
+  static_assert(E <= 32, "one mask bit per key");
+  if (t.need_eq == 0u) {
+    // Uniform: no tie at the threshold (the usual case). One comparison per key, and the emit loop runs over
+    // the selected keys only (a mask), not over all E with a test each.
+    uint32_t mask = 0u;
+#pragma unroll
+    for (int j = 0; j < E; ++j) mask |= (uint32_t)(key[j] > t.tkey) << j;
+    uint32_t tot;
+    uint32_t r = run_gt + block_excl_scan((uint32_t)__popc(mask), sm.scan[par], &tot);
+    par ^= 1;
+    while (mask) {
+      emit(r++, __ffs((int)mask) - 1);
+      mask &= mask - 1u;
+    }
+    run_gt += tot;
+    return;
+  }
   uint32_t ngt = 0u, neq = 0u;
 #pragma unroll
   for (int j = 0; j < E; ++j) {
