@@ -17,7 +17,8 @@ import triton.language as tl
 from .. import backends, formats
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_TOK = 64  # tokens (or query-head rows) per program (write, quantize; 128 was slower for MXFP4 writes)
+_TOK = 64  # query-head rows per program (quantize)
+_WTOK = 32  # tokens per program (write: 32 and 64 equal for FP8, 32 faster for MXFP4, 187 vs 198 us; 128 slower)
 _GTOK = 128  # rows per program (gather)
 
 # Benchmarks may override launches: {"write": see _write_config, "gather": see _gather_config}. The defaults
@@ -27,11 +28,11 @@ CONFIG_OVERRIDES: dict = {}
 
 def _write_config():
     """(tokens per program, integer e4m3 rounding, warps, L2 hints); an override may leave out the last two
-    (4 warps, no hints). The default keeps the scale words in L2 (FP8, 1M random slots on the H200: 130 -> 124 us,
-    NOTES.md). On the GPU the e4m3 bytes come from triton's fp8 cast (the hardware's round-to-nearest-even
+    (4 warps, no hints). The default keeps the scale words in L2 (FP8, 1M random slots on the H200: 130 -> 124 us)
+    and writes 32 tokens per program (MXFP4: 198 -> 187 us; NOTES.md, run 24). On the GPU the e4m3 bytes come from triton's fp8 cast (the hardware's round-to-nearest-even
     conversion: 206 -> 129 us for 1M tokens, bytes equal to the reference's there; quantize_q uses it too); the
     integer rounding serves the interpreter, whose cast does not round."""
-    cfg = tuple(CONFIG_OVERRIDES.get("write", (_TOK, _INTERPRET, 4, True)))
+    cfg = tuple(CONFIG_OVERRIDES.get("write", (_WTOK, _INTERPRET, 4, True)))
     return cfg + (4, False)[len(cfg) - 2:]
 
 
