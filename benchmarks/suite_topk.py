@@ -105,9 +105,9 @@ def _topk_case(R, W, k, dtype, gen):
 
 
 def _pattern_case(R, W, k, pattern, gen):
-    """Rows that put most keys in one histogram bin: ``all_equal`` (every score 0) and ``neg_inf_half`` (the
-    second half of each row masked to -inf, as causal masking leaves prefill rows): the one-bin path of the
-    histogram, against the same shape of random rows."""
+    """Rows that put most keys in one histogram bin: ``all_equal`` (every score 0: one bin, ties at the
+    threshold) and ``neg_inf_half`` (the second half of each row masked to -inf, as causal masking leaves
+    prefill rows), against the same shape of random rows."""
     x = torch.randn(R, W, generator=gen).to(DEV)
     if pattern == "all_equal":
         x.zero_()

@@ -28,10 +28,11 @@ CONFIG_OVERRIDES: dict = {}
 
 def _write_config():
     """(tokens per program, integer e4m3 rounding, warps, L2 hints); an override may leave out the last two
-    (4 warps, no hints). The default keeps the scale words in L2 (FP8, 1M random slots on the H200: 130 -> 124 us)
-    and writes 32 tokens per program (MXFP4: 198 -> 187 us; NOTES.md, run 24). On the GPU the e4m3 bytes come from triton's fp8 cast (the hardware's round-to-nearest-even
-    conversion: 206 -> 129 us for 1M tokens, bytes equal to the reference's there; quantize_q uses it too); the
-    integer rounding serves the interpreter, whose cast does not round."""
+    (4 warps, no hints). The default keeps the scale words in L2 (FP8, 1M random slots on the H200: 130 -> 124
+    us) and writes 32 tokens per program (MXFP4: 198 -> 187 us; NOTES.md, run 24). On the GPU the e4m3 bytes
+    come from triton's fp8 cast (the hardware's round-to-nearest-even conversion: 206 -> 129 us for 1M tokens,
+    bytes equal to the reference's there; quantize_q uses it too); the integer rounding serves the
+    interpreter, whose cast does not round."""
     cfg = tuple(CONFIG_OVERRIDES.get("write", (_WTOK, _INTERPRET, 4, True)))
     return cfg + (4, False)[len(cfg) - 2:]
 
