@@ -72,14 +72,21 @@ def _rows(op, shape, k, x, ours, torch_masked, torch_plain, check):
     ]
 
 
-def _topk_case(R, W, k, dtype, gen):
+def _topk_case(R, W, k, dtype, gen, pattern=None):
+    """Random rows, or rows that put most keys in one histogram bin: ``pattern="all_equal"`` (every score 0: one
+    bin, ties at the threshold), ``"neg_inf_half"`` (the second half of each row -inf, as causal masking leaves
+    prefill rows)."""
     x = torch.randn(R, W, generator=gen).to(dtype).to(DEV)
+    if pattern == "all_equal":
+        x.zero_()
+    elif pattern == "neg_inf_half":
+        x[:, W // 2:] = float("-inf")
     lens = _lengths(R, W, gen)
     out = torch.empty(R, k, dtype=torch.int32, device=DEV)
     ours = lambda: ct.topk(x, lens, k, out)  # noqa: E731
     ours()
     check = _check(None, lambda e, r: reference.topk(x[:r], lens[:r], k, e), out)
-    shape = f"{R}x{W // 1024}K" + ("" if dtype == torch.float32 else " bf16")
+    shape = f"{R}x{W // 1024}K" + ("" if dtype == torch.float32 else " bf16") + (f" {pattern}" if pattern else "")
     rows = _rows("topk", shape, k, x, ours, lambda: torch.topk(_mask(x, lens), k, dim=1),
                  lambda: torch.topk(x, k, dim=1), check)
     t = ct.tuning()
@@ -102,26 +109,6 @@ def _topk_case(R, W, k, dtype, gen):
                                   time_us=t_alt, x_read=t_alt / cuda["time_us"] * cuda["x_read"],
                                   x_torch=cuda["x_torch"] * cuda["time_us"] / t_alt, check=chk))
     return rows
-
-
-def _pattern_case(R, W, k, pattern, gen):
-    """Rows that put most keys in one histogram bin: ``all_equal`` (every score 0: one bin, ties at the
-    threshold) and ``neg_inf_half`` (the second half of each row masked to -inf, as causal masking leaves
-    prefill rows), against the same shape of random rows."""
-    x = torch.randn(R, W, generator=gen).to(DEV)
-    if pattern == "all_equal":
-        x.zero_()
-    else:
-        x[:, W // 2:] = float("-inf")
-    lens = _lengths(R, W, gen)
-    out = torch.empty(R, k, dtype=torch.int32, device=DEV)
-    ours = lambda: ct.topk(x, lens, k, out)  # noqa: E731
-    ours()
-    check = _check(None, lambda e, r: reference.topk(x[:r], lens[:r], k, e), out)
-    t = common.time_us(ours)
-    return [common.record(op="topk", shape=f"{R}x{W // 1024}K {pattern}", k=k,
-                          floor_us=common.floor_us(x.numel() * 4), impl="cuda", time_us=t,
-                          kernel_us=common.kernel_us(ours), x_read=float("nan"), x_torch=float("nan"), check=check)]
 
 
 def _sparse_case(R, nb, cbs, k, gen):
@@ -175,7 +162,7 @@ def run(args) -> list[dict]:
     R = 512 if q else 4096
     rows += _topk_case(R, 16384, 2048, torch.float32, gen)
     for pattern in ("all_equal", "neg_inf_half"):
-        rows += _pattern_case(R, 16384, 2048, pattern, gen)
+        rows += _topk_case(R, 16384, 2048, torch.float32, gen, pattern)
     rows += _sparse_case(R, 2048, 8, 2048, gen)
     rows += _topk_case(R, K128, 2048, torch.float32, gen)
     if not TARGETS_ONLY:
