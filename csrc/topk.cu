@@ -86,7 +86,7 @@ void cluster_shape(int rows, int width, int dev, int* C, int* S) {
   const int c = (width + tsi::SMEM_KEYS - 1) / tsi::SMEM_KEYS;
   if (g_cluster_mode == 1 && (long long)rows * c > (long long)sm_count(dev)) return;
   *C = c;
-  *S = (((width + c - 1) / c) + 15) & ~15;  // <= SMEM_KEYS (a multiple of 16)
+  *S = (((width + c - 1) / c) + 31) & ~31;  // <= SMEM_KEYS (a multiple of 32: the K layout's zero fill)
 }
 
 template <typename T>

@@ -90,7 +90,7 @@ constexpr unsigned FULL = 0xffffffffu;
 
 static_assert(THREADS % 32 == 0 && NBINS % THREADS == 0 && (NBINS / 2) % THREADS == 0, "thread count");
 static_assert(NWARPS <= 32, "at most 32 warps");
-static_assert(SMEM_KEYS % 16 == 0 && CAND_CAP % 16 == 0, "16-byte aligned shared-memory arrays");
+static_assert(SMEM_KEYS % 32 == 0 && CAND_CAP % 16 == 0, "16-byte aligned shared-memory arrays, K in whole octets");
 
 enum Kind { DENSE = 0, SPARSE = 1, BLOCK = 2 };
 
@@ -734,9 +734,18 @@ __device__ __forceinline__ void select_tile(Smem& sm, int& par, const uint32_t (
   run_eq += tot & 0xffffu;
 }
 
-// Ordered selection over `count` keys in shared memory (16 consecutive keys per thread per tile);
-// emit(rank, index) for each selected key.
-template <class Emit>
+// Layout of a row's keys in shared memory (K of smem_rows and the cluster kernel): 16-byte group g lives at
+// group g ^ ((g >> 3) & 7). smem_select's loads (lane t reads group 4t + q) then spread over all eight
+// 16-byte bank groups instead of two (a 4-way conflict over the ideal before; NOTES.md), while thread-consecutive
+// groups (the load's stores) stay permuted within aligned octets. The permutation keeps every aligned 32 keys
+// in place as a set, so order-free passes (histograms, counts) read K plainly over m rounded up to 32.
+__device__ __forceinline__ int kgroup(int g) { return g ^ ((g >> 3) & 7); }
+__device__ __forceinline__ int kslot(int i) { return (kgroup(i >> 2) << 2) | (i & 3); }
+__device__ __forceinline__ int round32(int m) { return (m + 31) & ~31; }
+
+// Ordered selection over `count` keys in shared memory (16 consecutive keys per thread per tile), stored in
+// the K layout above if SWZ; emit(rank, index) for each selected key.
+template <bool SWZ = false, class Emit>
 __device__ void smem_select(Smem& sm, int& par, const uint32_t* keys, int count, const Thresh& t, Emit&& emit) {
   constexpr int PER = 16;
   uint32_t rg = 0, re = 0;
@@ -747,7 +756,8 @@ __device__ void smem_select(Smem& sm, int& par, const uint32_t* keys, int count,
 #pragma unroll
     for (int q = 0; q < PER / 4; ++q) {
       uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (inside || i0 + 4 * q < count) v = *reinterpret_cast<const uint4*>(keys + i0 + 4 * q);
+      const int g = (i0 >> 2) + q;
+      if (inside || i0 + 4 * q < count) v = *reinterpret_cast<const uint4*>(keys + 4 * (SWZ ? kgroup(g) : g));
       key[4 * q] = v.x; key[4 * q + 1] = v.y; key[4 * q + 2] = v.z; key[4 * q + 3] = v.w;
     }
     if (!inside) {
@@ -989,7 +999,8 @@ __device__ void final_global(Smem& sm, int& par, const Src& src, const Thresh& t
   });
 }
 
-// One read of the row: every key to K[0, m) in shared memory, zeros in K[m, m rounded up to 16), the coarse
+// One read of the row: every key to K[0, m) in shared memory (in the layout of kslot), zeros in K[m, m rounded
+// up to 32), the coarse
 // histogram to sm.hist (and ctl[4] = 0). Ends with a barrier. This loop was the largest share of the
 // shared-memory rows' instructions (NOTES.md), hence: keys stored 16 bytes at a time where the row's element 0
 // starts an item's group of 4 (fp32 rows 16-byte aligned, bf16 rows 8-byte aligned; keys past m are 0, so those
@@ -1002,7 +1013,7 @@ __device__ void keys_to_smem(Smem& sm, const Src& src, uint32_t* K) {
   const int stored = vec ? (m + 3) & ~3 : m;  // K[0, stored) is written by the pass
   clear_hist(sm);
   if (threadIdx.x == 0) sm.ctl[4] = 0u;
-  for (int i = stored + (int)threadIdx.x; i < ((m + 15) & ~15); i += THREADS) K[i] = 0u;
+  for (int i = stored + (int)threadIdx.x; i < round32(m); i += THREADS) K[kslot(i)] = 0u;
   __syncthreads();
   stream<U, false>(src, [&](const Raw (&cur)[U], int base) {
     auto store = [&](int u, const uint32_t (&key)[Src::E]) {
@@ -1012,13 +1023,14 @@ __device__ void keys_to_smem(Smem& sm, const Src& src, uint32_t* K) {
         for (int q = 0; q < (VEC ? Src::E / 4 : 0); ++q) {
           const int i = src.index(c, 4 * q);  // a multiple of 4: i < stored implies i + 3 < stored
           if ((uint32_t)i < (uint32_t)stored)
-            *reinterpret_cast<uint4*>(K + i) = make_uint4(key[4 * q], key[4 * q + 1], key[4 * q + 2], key[4 * q + 3]);
+            *reinterpret_cast<uint4*>(K + kslot(i)) =
+                make_uint4(key[4 * q], key[4 * q + 1], key[4 * q + 2], key[4 * q + 3]);
         }
       } else {
 #pragma unroll
         for (int j = 0; j < Src::E; ++j) {
           const int i = src.index(c, j);
-          if ((key[j] != 0u || Src::KIND == SPARSE) && (uint32_t)i < (uint32_t)m) K[i] = key[j];
+          if ((key[j] != 0u || Src::KIND == SPARSE) && (uint32_t)i < (uint32_t)m) K[kslot(i)] = key[j];
         }
       }
     };
@@ -1116,10 +1128,11 @@ __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   // gathering the threshold bin's keys first (4096 x 16K: 225 vs 261 us, NOTES.md), the gather's
   // warp-aggregated appends costing more than the later levels' filtered sweeps (usually one).
   if (total > (uint32_t)kk)
-    t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, K, m, L, P); }, /*have_bin=*/true);
+    t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, K, round32(m), L, P); },
+                /*have_bin=*/true);
   __syncthreads();
   TSI_MARK(13);
-  smem_select(sm, par, K, m, t, [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
+  smem_select<true>(sm, par, K, m, t, [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
   write_staged(sm, src, stage, r, out, kk);
   TSI_MARK(14);
 }
@@ -1533,13 +1546,13 @@ __global__ void __launch_bounds__(THREADS, 2) topk_cluster_kernel(Params p, int 
     t = resolve(
         sm, 0, 0u, (uint32_t)kk,
         [&](int L, uint32_t P) {
-          smem_hist(sm, K, src.m, L, P);
+          smem_hist(sm, K, round32(src.m), L, P);
           cluster_hist_sum(sm, gsum, C);
         },
         true);
   // This slice's counts above the threshold and equal to it, published for the other CTAs.
   uint32_t ngt = 0u, neq = 0u;
-  for (int i = threadIdx.x; i < src.m; i += THREADS) {
+  for (int i = threadIdx.x; i < round32(src.m); i += THREADS) {  // K's layout: any order, zeros never count
     ngt += is_gt(K[i], t);
     neq += is_eq(K[i], t);
   }
@@ -1563,7 +1576,7 @@ __global__ void __launch_bounds__(THREADS, 2) topk_cluster_kernel(Params p, int 
   }
   tsi_cluster_sync();  // the last access to another CTA's shared memory: CTAs may exit after this
   int par = 1;
-  smem_select(sm, par, K, src.m, mine, [&](uint32_t rank, int i) { out[base + rank] = src.pos(i); });
+  smem_select<true>(sm, par, K, src.m, mine, [&](uint32_t rank, int i) { out[base + rank] = src.pos(i); });
   if (q == 0) pad_out(out, total < (uint32_t)kk ? (int)total : kk, kk);
 }
 
