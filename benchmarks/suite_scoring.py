@@ -106,10 +106,13 @@ def _ref_rows_diff(mine, ref_fn, rows):
 FAST = os.environ.get("TSI_BENCH_FAST", "0") == "1"  # target shapes only, no config sweeps / torch rows
 
 # Row-kernel launch configurations compared at the target shapes (triton_scoring._rows_config):
-# (BLOCK_N, warps, stages, tiles per program, per-tile id loads, packed ids).
-ROW_SWEEP = [(64, 4, 3, 16, False, False), (64, 4, 3, 32, False, True), (64, 4, 3, 64, False, True),
-             (128, 4, 3, 16, False, True), (128, 4, 3, 32, False, True), (128, 8, 3, 16, False, True),
-             (128, 4, 3, 16, True), (128, 4, 4, 16, True)]
+# (BLOCK_N, warps, stages, tiles per program, per-tile id loads, packed ids, register cap). Two stages and a
+# register cap of 96 let 5 CTAs share an SM instead of 3-4 (shared memory / registers; MXFP4 spills under a
+# cap). Paged sparse rows with per-tile id loads and three stages do not compile with triton 3.6 (a
+# RemoveLayoutConversions failure): that row shows "failed" for the paged sparse shapes.
+ROW_SWEEP = [(64, 4, 3, 32, False, True), (128, 4, 3, 16, False, True), (128, 4, 3, 16, True),
+             (128, 4, 2, 16, True, False, 96), (128, 4, 2, 32, True, False, 96), (64, 4, 3, 32, True, False, 96),
+             (64, 4, 2, 32, True, False, 80)]
 
 
 def _sweep(rows, overrides, key, configs, fn, *, op, fmt, shape, floor, nbytes=None, flops=None, check=None,
@@ -316,7 +319,8 @@ def bench_prefill_sparse(rows, quick):
         useful = T * nbk * CBS
         flops = 2.0 * useful * H * D
         shape = f"T{T} S{S} nbk{nbk}x{CBS} share0.9"
-        for pair in ((True,) if FAST else (True, False)):
+        for pair in ((ts._PAIR_DEFAULT,) if FAST else (True, False)):
+            default = pair == ts._PAIR_DEFAULT  # the target is judged on what the op launches
             fn = lambda: ts._launch_prefill_sparse(qs.q, qs.q_scale, k, ksc, qs.weights, ks, ke, cand, CBS, out, pair)  # noqa: E731
             fn()
             torch.cuda.synchronize()
@@ -326,8 +330,8 @@ def bench_prefill_sparse(rows, quick):
             t = _t(fn)
             _row(rows, op="sparse_mqa_logits", impl="triton-pair" if pair else "triton-rows", fmt=fmt, shape=shape,
                  time_us=t, floor_us=common.floor_us(flops=flops), tflops=flops / t / 1e6,
-                 target=">= 600 TFLOP/s" if (pair and not quick) else "",
-                 meets=(flops / t / 1e6 >= 600) if (pair and not quick) else "", check=f"diff_vs_ref={chk:.2e}")
+                 target=">= 600 TFLOP/s" if (default and not quick) else "",
+                 meets=(flops / t / 1e6 >= 600) if (default and not quick) else "", check=f"diff_vs_ref={chk:.2e}")
             if not pair and fmt == "fp8" and not quick and not FAST:
                 _sweep_rows(rows, fn, op="sparse_mqa_logits", fmt=fmt, shape=shape, floor=common.floor_us(flops=flops),
                             flops=flops)

@@ -159,6 +159,38 @@ def test_paged_sparse_mqa_logits(fmt, D, H, seed, gen):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("layout", ["strided", "misaligned"])
+def test_paged_sparse_logits_views(fmt, layout, seed, gen):
+    """Logits that are a view into a wider buffer (row stride > width; rows 16-byte or only 4-byte aligned): the
+    same scores as the reference, and no element of the buffer outside the view is touched."""
+    rng = random.Random(seed)
+    D, H = 128, rng.choice([8, 64])
+    kv, bt, lens, reqs, R, bs, seq = _paged_case(rng, gen, fmt, D, H)
+    cbs = rng.choice([c for c in formats.CANDIDATE_BLOCK_SIZES if bs % c == 0])
+    q, qs, w = _queries(R, H, D, fmt, gen)
+    nbk = rng.randint(1, 40)
+    ns = [int(n) if 0 <= int(r) < len(seq) else 0 for n, r in zip(lens.tolist(), reqs.tolist())]
+    cand = _candidates(rng, gen, ns, nbk, cbs)
+    L = nbk * cbs
+    ref = torch.empty(R, L, device=DEV)
+    reference.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, ref)
+    lo = 4 if layout == "strided" else 1  # 16-byte vs 4-byte offset; row strides L + 8 vs L + 3
+    outs = []
+    for _ in range(REPEATS if not INTERPRET else 1):
+        buf = torch.full((R, L + lo + (4 if layout == "strided" else 2)), float("nan"), device=DEV)
+        out = buf[:, lo:lo + L]
+        with backends.use_backend("triton"):
+            ops.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, out)
+        _sync()
+        assert torch.isnan(buf[:, :lo]).all() and torch.isnan(buf[:, lo + L:]).all(), "wrote outside the view"
+        assert not torch.isnan(out).any()
+        assert testing.calc_diff(out, ref) < TOL
+        outs.append(out.clone())
+    for o in outs[1:]:
+        testing.assert_bitwise_equal(o, outs[0])
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_paged_no_req_indices_bf16(fmt, seed, gen):
     """req_indices None (row r = request r), bf16 weights and bf16 logits."""
     rng = random.Random(seed)

@@ -159,8 +159,9 @@ def _tile_scores(kv_ptr, koff, sc_ptr, sidx, kmask, q8, qg0, qg1, qg2, qg3, sq0,
                      other=0.0)
         acc = tl.dot(kb, tl.trans(q8))
         ksc = tl.load(sc_ptr + sidx, mask=kmask, other=0.0)
-    # Not tl.maximum: its PTX max drops NaN, and a NaN score from garbage cache bytes must stay NaN (SPEC 2).
-    return tl.where(acc < 0.0, 0.0, acc) * wv[None, :], ksc
+    # max.NaN: a NaN score from garbage cache bytes must stay NaN (SPEC 2); one instruction where the
+    # compare-and-select form took two.
+    return tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wv[None, :], ksc
 
 
 @triton.jit
@@ -603,25 +604,38 @@ CONFIG_OVERRIDES: dict = {}
 _ROW_TILES = 16
 
 
-_ROW_DEFAULT = (64, 4, 3, _ROW_TILES, False, False)
-# FP8 dense decode and FP8 sparse prefill: 128-token tiles whose ids are loaded per tile measured 7-9% faster
-# on the H200 (724 vs 777 us, 2321 vs 2540 us; benchmarks/NOTES.md, v3); paged sparse decode and MXFP4 were
-# slower that way (148 vs 110 us), so they keep the default.
-_ROW_WIDE = (128, 4, 3, _ROW_TILES, True, False)
+_ROW_DEFAULT = (64, 4, 3, _ROW_TILES, False, False, None)
+# FP8 dense decode and FP8 sparse prefill with 128 heads (up to 64: below): 128-token tiles whose ids are loaded
+# per tile measured 7-9% faster on the H200 (724 vs 777 us, 2321 vs 2540 us at 64 heads; benchmarks/NOTES.md,
+# v3); paged sparse decode and MXFP4 were slower that way (148 vs 110 us), so they keep the default.
+_ROW_WIDE = (128, 4, 3, _ROW_TILES, True, False, None)
 # Paged sparse decode: ids packed into one shared-memory gather per tile (14 barriers per program instead of
 # 38) measured 110 -> 98 us (FP8, 128-token tiles) and 186 -> 172 us (MXFP4, 32 tiles) on the H200
 # (benchmarks/NOTES.md, v4).
-_ROW_SPARSE_DECODE = {False: (128, 4, 3, _ROW_TILES, False, True), True: (64, 4, 3, 2 * _ROW_TILES, False, True)}
+_ROW_SPARSE_DECODE = {False: (128, 4, 3, _ROW_TILES, False, True, None),
+                      True: (64, 4, 3, 2 * _ROW_TILES, False, True, None)}
+# FP8 dense decode, up to 64 heads: two stages and at most 96 registers per thread let 5 CTAs share an SM
+# (3 with three stages: shared memory; 4 at 112 registers), more K tiles in flight per SM than deeper
+# per-CTA pipelines give: 128 x 128K measured 696 -> 614 us on the H200 (benchmarks/NOTES.md, v5). Sparse
+# decode went the other way (95 -> 103-112 us): its gathered 1 KB blocks want the deeper per-CTA prefetch.
+# With 128 heads the accumulator alone takes 128 registers, so the cap stays off there.
+_ROW_DENSE_DECODE = (128, 4, 2, _ROW_TILES, True, False, 96)
+# FP8 sparse prefill (one row per program), up to 64 heads: the same occupancy argument; 2160 -> 1640 us
+# (510 -> 670 TFLOP/s useful) at 4096 x 16K candidates on the H200 (benchmarks/NOTES.md, v5).
+_ROW_SPARSE_PREFILL = (128, 4, 2, 2 * _ROW_TILES, True, False, 96)
 
 
 def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True):
-    """(BLOCK_N, warps, stages, tiles per program, per-tile index loads, packed ids) of the row kernel; an
-    override may stop after any leading prefix of that tuple (the rest come from the default)."""
+    """(BLOCK_N, warps, stages, tiles per program, per-tile index loads, packed ids, register cap or None) of
+    the row kernel; an override may stop after any leading prefix of that tuple (the rest come from the
+    default)."""
     if "rows" in CONFIG_OVERRIDES:
         cfg = tuple(CONFIG_OVERRIDES["rows"])
         return cfg + _ROW_DEFAULT[len(cfg):]
     if paged and sparse:
         return _ROW_SPARSE_DECODE[fp4]
+    if not fp4 and HP <= 64 and paged != sparse:
+        return _ROW_DENSE_DECODE if paged else _ROW_SPARSE_PREFILL
     if not fp4 and paged != sparse:
         return _ROW_WIDE
     return _ROW_DEFAULT
@@ -656,7 +670,7 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
     if R == 0 or L == 0:
         return
     HP = _heads_pad(H)
-    block_n, warps, stages, tiles, idx_load, pack_ids = _rows_config(HP, fp4, paged, sparse)
+    block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg = _rows_config(HP, fp4, paged, sparse)
     grid = (R, triton.cdiv(L, tiles * block_n))
     dummy = context_lens if paged else ks
     if paged:
@@ -680,7 +694,7 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
         _log2(cbs), weights.stride(0),
         HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
         BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load, PACK_IDS=pack_ids and sparse,
-        DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, num_warps=warps)
+        DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, num_warps=warps, maxnreg=maxnreg)
 
 
 def _prefill_dense_config(HP: int, fp4: bool):
