@@ -386,15 +386,17 @@ def bench_cache(rows, quick):
         _row(rows, op="write_k_cache", impl="triton", fmt=fmt, shape=f"T{T} D{D} bf16", time_us=t,
              floor_us=common.floor_us(by), tbps=by / t / 1e6, target=">= 0.8 of copy bw",
              meets=common.floor_us(by) / t >= 0.8, check=same)
-        # The same tokens written to consecutive slots, as a prefill fills its pages (the random slots above
-        # make every 4-byte scale store a partial-sector write of its own).
-        slot_c = torch.arange(T, device=DEV)
-        fc = lambda: tc.write_k_cache(k, slot_c, cache, fmt, True)  # noqa: E731
-        fc()
-        tcont = _t(fc)
-        _row(rows, op="write_k_cache", impl="triton contiguous slots", fmt=fmt, shape=f"T{T} D{D} bf16",
-             time_us=tcont, floor_us=common.floor_us(by), tbps=by / tcont / 1e6, target=">= 0.8 of copy bw",
-             meets=common.floor_us(by) / tcont >= 0.8, check="")
+        # The same tokens written to consecutive slots, and to the slots a serving engine's prefill writes
+        # (pages in random order, consecutive slots within a page: block_table[t // page] * page + t % page).
+        # The random slots above make every 4-byte scale store a partial-sector write of its own.
+        slot_p = (torch.randperm(nb + 8, device=DEV)[:nb, None] * PAGE + torch.arange(PAGE, device=DEV)).view(-1)
+        for name, sl in (("contiguous slots", torch.arange(T, device=DEV)), ("paged slots", slot_p)):
+            fc = lambda: tc.write_k_cache(k, sl, cache, fmt, True)  # noqa: E731
+            fc()
+            tcont = _t(fc)
+            _row(rows, op="write_k_cache", impl=f"triton {name}", fmt=fmt, shape=f"T{T} D{D} bf16",
+                 time_us=tcont, floor_us=common.floor_us(by), tbps=by / tcont / 1e6, target=">= 0.8 of copy bw",
+                 meets=common.floor_us(by) / tcont >= 0.8, check="")
         # (tokens per program, integer e4m3 rounding[, warps[, L2 hints]]): alternatives to the default (32, False,
         # 4, True). FP8 on random slots is short of its target, its scale words each a partial-sector write; the
         # hints keep them in L2 until neighbouring slots fill their sectors.
