@@ -127,9 +127,9 @@ def _quant_rows(x, ROWS: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, POW2:
         return vals, s
 
 
-@triton.jit(do_not_specialize=["T", "NSLOT", "BS", "PAGE_STRIDE"],
+@triton.jit(do_not_specialize=["T", "NSLOT", "LBS", "PAGE_STRIDE"],
             do_not_specialize_on_alignment=["slot_ptr"])
-def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, BS, PAGE_STRIDE,
+def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, LBS, PAGE_STRIDE,
                   D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr, TOK: tl.constexpr,
                   SOFT_FP8: tl.constexpr, HINTS: tl.constexpr):
     VB: tl.constexpr = D // 2 if FP4 else D
@@ -146,8 +146,11 @@ def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, BS, PAGE_STRIDE,
     slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
     keep = tm & (slot >= 0) & (slot < NSLOT)
     slot = tl.where(keep, slot, 0)
-    page = slot // BS
-    off = slot % BS
+    # block sizes are powers of two (validated by the ops): a 64-bit division by a runtime int is a ~40-instruction
+    # call per token, a measurable share of this ALU-bound kernel
+    BS = 1 << LBS
+    page = slot >> LBS
+    off = slot & (BS - 1)
     vals, sc = _quant_rows(x, TOK, D, FP4, POW2, SOFT_FP8)
     vb = tl.arange(0, VB)
     # Offsets built as multiples of 16 (page stride % 16 == 0 is checked on the host) so the stores are
@@ -251,7 +254,8 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     if T == 0:
         return
     tok, soft, warps, hints = _write_config()
-    _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, bs, stride, D=D, FP4=fmt == "mxfp4",
+    _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, bs.bit_length() - 1, stride, D=D,
+                                          FP4=fmt == "mxfp4",
                                           POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft, HINTS=bool(hints),
                                           num_warps=warps)
 
