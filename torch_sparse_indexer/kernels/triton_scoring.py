@@ -614,18 +614,19 @@ _ROW_WIDE = (128, 4, 3, _ROW_TILES, True, False, None)
 # (benchmarks/NOTES.md, v4).
 _ROW_SPARSE_DECODE = {False: (128, 4, 3, _ROW_TILES, False, True, None),
                       True: (64, 4, 3, 2 * _ROW_TILES, False, True, None)}
-# FP8 dense decode, up to 64 heads: two stages and at most 96 registers per thread let 5 CTAs share an SM
-# (3 with three stages: shared memory; 4 at 112 registers), more K tiles in flight per SM than deeper
-# per-CTA pipelines give: 128 x 128K measured 696 -> 614 us on the H200 (benchmarks/NOTES.md, v5). Sparse
+# FP8 dense decode on SM90, up to 64 heads: two stages and at most 96 registers per thread let 5 CTAs share an
+# SM (3 with three stages: shared memory; 4 at 112 registers), more K tiles in flight per SM than deeper
+# per-CTA pipelines give: 128 x 128K measured 696 -> 614-620 us on the H200 (benchmarks/NOTES.md, v5). Sparse
 # decode went the other way (95 -> 103-112 us): its gathered 1 KB blocks want the deeper per-CTA prefetch.
-# With 128 heads the accumulator alone takes 128 registers, so the cap stays off there.
+# With 128 heads the accumulator alone takes 128 registers, so the cap stays off there; SM100 (another MMA and
+# pipeliner, not measured) keeps the previous configuration.
 _ROW_DENSE_DECODE = (128, 4, 2, _ROW_TILES, True, False, 96)
-# FP8 sparse prefill (one row per program), up to 64 heads: the same occupancy argument; 2160 -> 1640 us
-# (510 -> 670 TFLOP/s useful) at 4096 x 16K candidates on the H200 (benchmarks/NOTES.md, v5).
+# FP8 sparse prefill (one row per program) on SM90, up to 64 heads: the same occupancy argument; 2160 -> 1629 us
+# (510 -> 675 TFLOP/s useful) at 4096 x 16K candidates on the H200 (benchmarks/NOTES.md, v5).
 _ROW_SPARSE_PREFILL = (128, 4, 2, 2 * _ROW_TILES, True, False, 96)
 
 
-def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True):
+def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True, sm90: bool = True):
     """(BLOCK_N, warps, stages, tiles per program, per-tile index loads, packed ids, register cap or None) of
     the row kernel; an override may stop after any leading prefix of that tuple (the rest come from the
     default)."""
@@ -634,7 +635,7 @@ def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True):
         return cfg + _ROW_DEFAULT[len(cfg):]
     if paged and sparse:
         return _ROW_SPARSE_DECODE[fp4]
-    if not fp4 and HP <= 64 and paged != sparse:
+    if not fp4 and HP <= 64 and paged != sparse and sm90:
         return _ROW_DENSE_DECODE if paged else _ROW_SPARSE_PREFILL
     if not fp4 and paged != sparse:
         return _ROW_WIDE
@@ -670,7 +671,8 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
     if R == 0 or L == 0:
         return
     HP = _heads_pad(H)
-    block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg = _rows_config(HP, fp4, paged, sparse)
+    sm90 = not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] == 9  # the interpreter: the SM90 path
+    block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg = _rows_config(HP, fp4, paged, sparse, sm90)
     grid = (R, triton.cdiv(L, tiles * block_n))
     dummy = context_lens if paged else ks
     if paged:
