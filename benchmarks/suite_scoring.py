@@ -22,6 +22,8 @@ import random
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 import common
 from torch_sparse_indexer import formats, reference, testing
@@ -105,6 +107,42 @@ def _ref_rows_diff(mine, ref_fn, rows):
 
 FAST = os.environ.get("TSI_BENCH_FAST", "0") == "1"  # target shapes only, no config sweeps / torch rows
 
+
+@triton.jit
+def _read_blocks(cache_ptr, bt_ptr, cand_ptr, out_ptr, NCAND, BT_STRIDE, PS, NB: tl.constexpr, CONTIG: tl.constexpr):
+    """Sum of the bytes ``paged_sparse_mqa_logits`` reads (FP8, D 128, page 64, blocks of 8): each candidate
+    block's 1 KB of values and 32 B of scales, NB blocks per program; CONTIG: the same byte count back to back."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = chunk * NB + tl.arange(0, NB)
+    w = tl.arange(0, 256)  # 1 KB of values as int32 words
+    words = cache_ptr.to(tl.pointer_type(tl.int32))
+    if CONTIG:
+        vbase = (row.to(tl.int64) * NCAND + b) * 264  # 1056 bytes per block, back to back
+        sbase = vbase + 256
+    else:
+        blk = tl.load(cand_ptr + row.to(tl.int64) * NCAND + b)
+        page = tl.load(bt_ptr + row.to(tl.int64) * BT_STRIDE + (blk >> 3)).to(tl.int64)
+        off = (blk & 7).to(tl.int64)
+        vbase = (page * (PS // 16) + off * 64) * 4  # page stride % 16 == 0
+        sbase = page * (PS // 4) + 64 * 32 + off * 8
+    vals = tl.load(words + vbase[:, None] + w[None, :])
+    sc = tl.load(words + sbase[:, None] + tl.arange(0, 8)[None, :])
+    tl.store(out_ptr + row * tl.num_programs(1) + chunk, tl.sum(tl.sum(vals, 1) ^ tl.sum(sc, 1), 0))
+
+
+def read_same_bytes(cache, bt, cand, contig=False, warps=8):
+    """``fn()`` reading the sparse decode's bytes with a plain load-and-sum kernel (the achievable read of that
+    access pattern for a simple kernel, next to the copy-bandwidth floor), and the byte count."""
+    B, nbk = cand.shape
+    NB = 32
+    assert PAGE == 64 and D == 128 and CBS == 8 and nbk % NB == 0 and cache.stride(0) % 16 == 0
+    nbytes = B * nbk * 1056
+    out = torch.empty(B * (nbk // NB), dtype=torch.int32, device=DEV)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEV) if contig else cache
+    return (lambda: _read_blocks[(B, nbk // NB)](src, bt, cand, out, nbk, bt.stride(0), cache.stride(0), NB=NB,
+                                                 CONTIG=contig, num_warps=warps)), nbytes
+
 # Row-kernel launch configurations compared at the target shapes (triton_scoring._rows_config):
 # (BLOCK_N, warps, stages, tiles per program, per-tile id loads, packed ids, register cap). Two stages and a
 # register cap of 96 let 5 CTAs share an SM instead of 3-4 (shared memory / registers; MXFP4 spills under a
@@ -163,6 +201,14 @@ def bench_decode(rows, quick):
                  tflops=2 * B * nbk * CBS * H * D / t / 1e6,
                  target=f"<= {tgt} us" if ctx == 131072 and B == 128 else "",
                  meets=(t <= tgt) if ctx == 131072 and B == 128 else "", check=f"diff_vs_ref={chk:.2e}")
+            if ctx == 131072 and B == 128 and fmt == "fp8":
+                try:  # context for the time above: a plain read of the same bytes in the same access pattern
+                    rd, rbytes = read_same_bytes(cache, bt, cand)
+                    tr = _t(rd)
+                    _row(rows, op="paged_sparse_mqa_logits", impl="read (same bytes)", fmt=fmt, shape=shape, B=B,
+                         ctx=ctx, time_us=tr, floor_us=common.floor_us(rbytes), tbps=rbytes / tr / 1e6)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  read row failed: {e!r}")
             if ctx == 131072 and B == 128 and not FAST:
                 _sweep_rows(rows, fn, op="paged_sparse_mqa_logits", fmt=fmt, shape=shape, B=B, ctx=ctx,
                             floor=common.floor_us(kbytes), nbytes=kbytes)
