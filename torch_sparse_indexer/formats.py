@@ -31,6 +31,14 @@ _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_UP = (False, True, False, True, False, True, False)
 
 
+def log2_block_size(v: int) -> int:
+    """log2 of a cache or candidate block size: the kernels index pages and blocks with shifts and masks
+    (a division by a runtime int costs tens of instructions per element); the ops validate the sizes."""
+    if v <= 0 or v & (v - 1):
+        raise ValueError(f"block size: expected a power of two, got {v}")
+    return v.bit_length() - 1
+
+
 def value_bytes(fmt: str, head_dim: int) -> int:
     """Bytes of one token's values: D for fp8, D/2 for mxfp4."""
     check_fmt(fmt)

@@ -254,10 +254,9 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     if T == 0:
         return
     tok, soft, warps, hints = _write_config()
-    _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, bs.bit_length() - 1, stride, D=D,
-                                          FP4=fmt == "mxfp4",
-                                          POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft, HINTS=bool(hints),
-                                          num_warps=warps)
+    _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, formats.log2_block_size(bs), stride,
+                                          D=D, FP4=fmt == "mxfp4", POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft,
+                                          HINTS=bool(hints), num_warps=warps)
 
 
 def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):

@@ -642,13 +642,6 @@ def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True, sm
     return _ROW_DEFAULT
 
 
-def _log2(v: int) -> int:
-    """log2 of a power of two (block sizes are validated as powers of two by the ops)."""
-    if v <= 0 or v & (v - 1):
-        raise ValueError(f"expected a power of two, got {v}")
-    return v.bit_length() - 1
-
-
 def _chunk_cols(rows: int, width: int, block_n: int, sms: int, waves: int = 32, min_tiles: int = 4) -> int:
     """Columns per program: about ``waves`` programs per SM (so the last wave's tail is a small fraction),
     at least ``min_tiles`` tiles each."""
@@ -692,8 +685,8 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
     ncand = candidate_blocks.shape[1] if sparse else 1
     _rows_kernel[grid](
         _q_bytes(q), q_scale if q_scale is not None else dummy, weights, kv, kscale, a, b, bt, req, cand, logits,
-        H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, _log2(block_size), page_stride, ncand,
-        _log2(cbs), weights.stride(0),
+        H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, formats.log2_block_size(block_size),
+        page_stride, ncand, formats.log2_block_size(cbs), weights.stride(0),
         HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
         BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load, PACK_IDS=pack_ids and sparse,
         DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, num_warps=warps, maxnreg=maxnreg)
