@@ -159,6 +159,49 @@ def test_paged_sparse_mqa_logits(fmt, D, H, seed, gen):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_paged_sparse_row_tiles(fmt, seed, gen, monkeypatch):
+    """Programs of any tile count (the launcher sizes them to fill whole waves) write the same scores, bitwise."""
+    rng = random.Random(seed)
+    bs, cbs, H, D = 64, rng.choice([8, 16]), 16, 128
+    seq = [rng.randint(600, 1500) for _ in range(2)]
+    case = testing.make_paged_cache(seq, bs, D, fmt, device=DEV, gen=gen)
+    lens = torch.tensor(seq + [seq[0] - 3], dtype=torch.int32, device=DEV)
+    reqs = torch.tensor([0, 1, 0], dtype=torch.int32, device=DEV)
+    nbk = 40
+    cand = _candidates(rng, gen, lens.tolist(), nbk, cbs)
+    q, qs, w = _queries(3, H, D, fmt, gen)
+    ref = torch.empty(3, nbk * cbs, device=DEV)
+    reference.paged_sparse_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, reqs, cand, cbs, ref)
+    first = None
+    for nt in (1, 3, 7, None):
+        if nt is None:
+            monkeypatch.delitem(ts.CONFIG_OVERRIDES, "row_tiles", raising=False)
+        else:
+            monkeypatch.setitem(ts.CONFIG_OVERRIDES, "row_tiles", nt)
+        with backends.use_backend("triton"):
+            out = _check(lambda o: ops.paged_sparse_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, reqs,
+                                                               cand, cbs, o), ref)
+        if first is None:
+            first = out
+        else:
+            testing.assert_bitwise_equal(out, first)
+
+
+@pytest.mark.parametrize("rows,width,block_n,tiles,slots", [(128, 16384, 128, 32, 396), (128, 16384, 64, 64, 264),
+                                                           (7, 3000, 64, 16, 12), (4096, 16384, 128, 32, 660)])
+def test_row_tiles_fills_waves(rows, width, block_n, tiles, slots):
+    """The chosen tile count never costs more (waves x (tiles + fixed cost)) than the largest, and stays in range."""
+    t = ts._row_tiles(rows, width, block_n, tiles, slots)
+    assert 1 <= t <= tiles
+    tr = -(-width // block_n)
+
+    def cost(n):
+        return -(-(rows * -(-tr // n)) // slots) * (n + 1.5)
+    assert cost(t) <= cost(tiles)
+    assert all(cost(t) <= cost(n) for n in range(min(tiles, 4), tiles + 1))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("layout", ["strided", "misaligned"])
 def test_paged_sparse_logits_views(fmt, layout, seed, gen):
     """Logits that are a view into a wider buffer (row stride > width; rows 16-byte or only 4-byte aligned): the

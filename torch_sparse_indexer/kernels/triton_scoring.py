@@ -209,13 +209,13 @@ def _load_queries(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.con
             do_not_specialize_on_alignment=["w_ptr", "out_ptr", "a_ptr", "b_ptr", "bt_ptr", "req_ptr",
                                             "cand_ptr", "qs_ptr"])
 def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, req_ptr, cand_ptr, out_ptr,
-                 H, L, OUT_STRIDE, N, NREQ, MB, BT_STRIDE, NB_CACHE, LBS, PAGE_STRIDE, NCAND, LCBS, W_STRIDE,
+                 H, L, OUT_STRIDE, N, NREQ, MB, BT_STRIDE, NB_CACHE, LBS, PAGE_STRIDE, NCAND, LCBS, W_STRIDE, COLS,
                  HP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr,
                  HAS_REQ: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
                  IDX_LOAD: tl.constexpr, PACK_IDS: tl.constexpr, DOT_SCALED: tl.constexpr,
                  USE_ASM: tl.constexpr):
-    """Program (row, chunk): columns ``[chunk * COLS, (chunk + 1) * COLS)``, ``COLS = TILES * BLOCK_N``, of one
-    query row.
+    """Program (row, chunk): columns ``[chunk * COLS, (chunk + 1) * COLS)`` of one query row; ``COLS`` is a
+    multiple of ``BLOCK_N`` and at most ``TILES * BLOCK_N`` (a runtime value: see ``_row_tiles``).
 
     PAGED: ``a_ptr`` = context_lens, ``bt_ptr`` = block table, ``req_ptr`` = req_indices, ``kv_ptr`` = cache
     bytes. Packed: ``a_ptr/b_ptr`` = ks/ke, ``kv_ptr`` = K value bytes, ``ksc_ptr`` = K scales.
@@ -256,7 +256,6 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     if FP4 and not DOT_SCALED:
         wv = wv * 4096.0  # the 2^-6 * 2^-6 of the e4m3 re-encoding
 
-    COLS: tl.constexpr = TILES * BLOCK_N
     c_lo = chunk * COLS
     c_hi = tl.minimum(c_lo + COLS, L)
     if SPARSE:
@@ -604,32 +603,34 @@ CONFIG_OVERRIDES: dict = {}
 _ROW_TILES = 16
 
 
-_ROW_DEFAULT = (64, 4, 3, _ROW_TILES, False, False, None)
+_ROW_DEFAULT = (64, 4, 3, _ROW_TILES, False, False, None, None)
 # FP8 dense decode and FP8 sparse prefill with 128 heads (up to 64: below): 128-token tiles whose ids are loaded
 # per tile measured 7-9% faster on the H200 (724 vs 777 us, 2321 vs 2540 us at 64 heads; benchmarks/NOTES.md,
 # v3); paged sparse decode and MXFP4 were slower that way (148 vs 110 us), so they keep the default.
-_ROW_WIDE = (128, 4, 3, _ROW_TILES, True, False, None)
+_ROW_WIDE = (128, 4, 3, _ROW_TILES, True, False, None, None)
 # Paged sparse decode: ids packed into one shared-memory gather per tile (14 barriers per program instead of
 # 38) measured 110 -> 98 us (FP8, 128-token tiles) and 186 -> 172 us (MXFP4, 32 tiles) on the H200
 # (benchmarks/NOTES.md, v4).
-_ROW_SPARSE_DECODE = {False: (128, 4, 3, _ROW_TILES, False, True, None),
-                      True: (64, 4, 3, 2 * _ROW_TILES, False, True, None)}
+# The last element, CTAs per SM on the H200 (Nsight Compute: FP8 60 KB of shared memory, MXFP4 210 registers),
+# lets _row_tiles size the programs so that the grid fills whole waves (see there).
+_ROW_SPARSE_DECODE = {False: (128, 4, 3, 2 * _ROW_TILES, False, True, None, 3),
+                      True: (64, 4, 3, 4 * _ROW_TILES, False, True, None, 2)}
 # FP8 dense decode on SM90, up to 64 heads: two stages and at most 96 registers per thread let 5 CTAs share an
 # SM (3 with three stages: shared memory; 4 at 112 registers), more K tiles in flight per SM than deeper
 # per-CTA pipelines give: 128 x 128K measured 696 -> 614-620 us on the H200 (benchmarks/NOTES.md, v5). Sparse
 # decode went the other way (95 -> 103-112 us): its gathered 1 KB blocks want the deeper per-CTA prefetch.
 # With 128 heads the accumulator alone takes 128 registers, so the cap stays off there; SM100 (another MMA and
 # pipeliner, not measured) keeps the previous configuration.
-_ROW_DENSE_DECODE = (128, 4, 2, _ROW_TILES, True, False, 96)
+_ROW_DENSE_DECODE = (128, 4, 2, _ROW_TILES, True, False, 96, None)
 # FP8 sparse prefill (one row per program) on SM90, up to 64 heads: the same occupancy argument; 2160 -> 1629 us
 # (510 -> 675 TFLOP/s useful) at 4096 x 16K candidates on the H200 (benchmarks/NOTES.md, v5).
-_ROW_SPARSE_PREFILL = (128, 4, 2, 2 * _ROW_TILES, True, False, 96)
+_ROW_SPARSE_PREFILL = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, None)
 
 
 def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True, sm90: bool = True):
-    """(BLOCK_N, warps, stages, tiles per program, per-tile index loads, packed ids, register cap or None) of
-    the row kernel; an override may stop after any leading prefix of that tuple (the rest come from the
-    default)."""
+    """(BLOCK_N, warps, stages, tiles per program (at most), per-tile index loads, packed ids, register cap or
+    None, CTAs per SM or None) of the row kernel; an override may stop after any leading prefix of that tuple
+    (the rest come from the default)."""
     if "rows" in CONFIG_OVERRIDES:
         cfg = tuple(CONFIG_OVERRIDES["rows"])
         return cfg + _ROW_DEFAULT[len(cfg):]
@@ -650,6 +651,22 @@ def _chunk_cols(rows: int, width: int, block_n: int, sms: int, waves: int = 32, 
     return min(cols, max(block_n, triton.cdiv(width, block_n) * block_n))
 
 
+def _row_tiles(rows: int, width: int, block_n: int, tiles: int, slots: int, min_tiles: int = 4,
+               overhead: float = 1.5) -> int:
+    """Tiles per program of a row-kernel grid ``rows x ceil(tiles per row / t)``, ``min(tiles, min_tiles) <= t <=
+    tiles``: the ``t`` minimizing (waves of ``slots`` programs) x (``t`` + ``overhead``), the fixed per-program cost
+    (queries, ids, pipeline fill) counted in tiles. A grid only a few waves deep otherwise ends on a partly
+    empty wave: 128 sparse decode rows of 128 tiles in 16-tile programs are 1024 programs on 396 slots, 2.6
+    waves run as 3; 22-tile programs make 768 (2 waves). Depends on shapes and the SM count only."""
+    tr = max(1, triton.cdiv(width, block_n))
+    best_t, best_cost = tiles, None
+    for t in range(min(tiles, min_tiles), tiles + 1):
+        cost = triton.cdiv(rows * triton.cdiv(tr, t), slots) * (t + overhead)
+        if best_cost is None or cost < best_cost:
+            best_t, best_cost = t, cost
+    return best_t
+
+
 def _q_bytes(q):
     return q.view(torch.uint8) if q.dtype != torch.uint8 else q
 
@@ -665,8 +682,13 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
         return
     HP = _heads_pad(H)
     sm90 = not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] == 9  # the interpreter: the SM90 path
-    block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg = _rows_config(HP, fp4, paged, sparse, sm90)
-    grid = (R, triton.cdiv(L, tiles * block_n))
+    block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg, ctas = _rows_config(HP, fp4, paged, sparse, sm90)
+    nt = tiles
+    if "row_tiles" in CONFIG_OVERRIDES:  # tests and benchmarks: a fixed count (<= tiles)
+        nt = min(tiles, int(CONFIG_OVERRIDES["row_tiles"]))
+    elif ctas:
+        nt = _row_tiles(R, L, block_n, tiles, ctas * _num_sms(q.device))
+    grid = (R, triton.cdiv(L, nt * block_n))
     dummy = context_lens if paged else ks
     if paged:
         a, b = context_lens, context_lens
@@ -686,7 +708,7 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
     _rows_kernel[grid](
         _q_bytes(q), q_scale if q_scale is not None else dummy, weights, kv, kscale, a, b, bt, req, cand, logits,
         H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, formats.log2_block_size(block_size),
-        page_stride, ncand, formats.log2_block_size(cbs), weights.stride(0),
+        page_stride, ncand, formats.log2_block_size(cbs), weights.stride(0), nt * block_n,
         HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
         BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load, PACK_IDS=pack_ids and sparse,
         DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, num_warps=warps, maxnreg=maxnreg)
