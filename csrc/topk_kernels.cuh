@@ -818,11 +818,11 @@ __device__ uint32_t sample_tau(Smem& sm, const uint32_t* keys, int sv, uint32_t 
 // Output in index order through bitmaps over element indices [0, 32 * W): G = selected for key > tkey,
 // Q = key == tkey (only the first need_eq of them in index order are taken). emit(rank, index) for each
 // selected element; ranks count G and taken Q elements before it. One block scan; ends without a barrier.
-template <class Emit>
+// MAXPW: the most words per thread (W <= MAXPW * THREADS).
+template <int MAXPW, class Emit>
 __device__ void bitmap_emit(Smem& sm, const uint32_t* G, const uint32_t* Q, int W, uint32_t need_eq, Emit&& emit) {
   // Thread t owns words [t * PW, t * PW + n), read once into registers: 16-byte loads where PW is the full
   // MAXPW (one word per load at a stride of PW words would hit the same banks PW ways).
-  constexpr int MAXPW = (LIST_CAP + THREADS - 1) / THREADS;
   const int PW = (W + THREADS - 1) / THREADS;
   const int w0 = (int)threadIdx.x * PW;
   const int n = W - w0 < 0 ? 0 : (W - w0 < PW ? W - w0 : PW);
@@ -1108,6 +1108,65 @@ __device__ void write_staged(Smem& sm, const Src& src, uint32_t* stage, int r, i
   }
 }
 
+// Shared-memory rows whose threshold bin is small (the usual case: 16K random scores put ~1000 keys in the bin
+// of the 2048th best): one sweep over the row's keys, thread t on keys [32t, 32t + 32), writes word t of a bitmap
+// of the keys above the bin and appends the bin's keys (with their indices) to a buffer while counting their
+// next digit; the threshold is refined on that buffer alone, the selected bin keys are marked in the bitmaps,
+// and the output comes from them in index order through one block scan. This replaces a filtered histogram
+// sweep over all keys per finer digit and an ordered selection over all keys (a block scan per 8K keys).
+// Thread t's eight 16-byte loads (groups 8t + q, stored at 8t + (q ^ (t & 7))) meet each bank group once per
+// eight lanes: conflict-free. ctl[0..2] hold find_bin's result for the top digit (B, count above B, count in
+// B <= BIN_CAP), ctl[4] = 0 (keys_to_smem), hist is zero; 0 < need - above <= count in B. Ends without a barrier.
+constexpr int SMEM_WORDS = SMEM_KEYS / 32;  // bitmap words of a shared-memory row
+constexpr int BIN_CAP = (REGION_WORDS - SMEM_KEYS - LIST_CAP - 2 * SMEM_WORDS) / 2 & ~3;
+static_assert(SMEM_WORDS <= THREADS && SMEM_WORDS % 4 == 0 && LIST_CAP % 4 == 0 && BIN_CAP >= 32,
+              "one bitmap word per thread; 16-byte aligned bin buffer");
+
+template <class Emit>
+__device__ void smem_bitmap_select(Smem& sm, const uint32_t* K, int m, uint32_t need, Emit&& emit) {
+  uint32_t* G = sm.region + SMEM_KEYS + LIST_CAP;  // past the staged output
+  uint32_t* Q = G + SMEM_WORDS;
+  uint32_t* BK = Q + SMEM_WORDS;
+  uint32_t* BI = BK + BIN_CAP;
+  const uint32_t B = sm.ctl[0], c = sm.ctl[2];
+  need -= sm.ctl[1];
+  const uint32_t lo = B << 21, hi = lo | 0x1fffffu;
+  const uint32_t lo1 = lo == 0u ? 1u : lo;  // key 0 is "no element"
+  const int W = (m + 31) >> 5;
+  const int tid = (int)threadIdx.x;
+  uint32_t gw = 0u, bm = 0u;
+  if (tid < W) {
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const uint4 v = *reinterpret_cast<const uint4*>(K + 4 * kgroup(8 * tid + q));
+      const uint32_t key[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        gw |= (uint32_t)(key[j] > hi) << (4 * q + j);
+        bm |= (uint32_t)(key[j] - lo1 <= hi - lo1) << (4 * q + j);
+      }
+    }
+    G[tid] = gw;
+    Q[tid] = 0u;
+  }
+  uint32_t after;
+  uint32_t o = warp_reserve(&sm.ctl[4], (uint32_t)__popc(bm), &after);
+  while (bm != 0u) {
+    const int j = __ffs((int)bm) - 1;
+    bm &= bm - 1u;
+    const uint32_t key = K[kslot(32 * tid + j)];
+    BK[o] = key;
+    BI[o] = (uint32_t)(32 * tid + j);
+    ++o;
+    atomicAdd(&sm.hist[(key >> 10) & 0x7ffu], 1u);
+  }
+  __syncthreads();
+  const Thresh t = resolve(sm, 11, B, need, [&](int L, uint32_t P) { smem_hist(sm, BK, (int)c, L, P); });
+  TSI_MARK(13);
+  mark_selected(G, Q, BK, BI, (int)c, t);
+  bitmap_emit<1>(sm, G, Q, W, t.need_eq, emit);
+}
+
 template <int U, class Src>
 __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   uint32_t* K = sm.region;
@@ -1120,10 +1179,16 @@ __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   find_bin<NBINS>(sm, (uint32_t)kk);
   TSI_MARK(12);
   const uint32_t total = sm.ctl[3];
+  const int r = total <= (uint32_t)kk ? (int)total : kk;
+  if (total > (uint32_t)kk && sm.ctl[2] <= (uint32_t)BIN_CAP) {
+    smem_bitmap_select(sm, K, m, (uint32_t)kk, [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
+    write_staged(sm, src, stage, r, out, kk);
+    TSI_MARK(14);
+    return;
+  }
   Thresh t;
   t.tkey = 0u;
   t.need_eq = 0u;
-  const int r = total <= (uint32_t)kk ? (int)total : kk;
   // Each finer digit's histogram sweeps all keys, filtered by the fixed prefix: cheaper on the H200 than
   // gathering the threshold bin's keys first (4096 x 16K: 225 vs 261 us, NOTES.md), the gather's
   // warp-aggregated appends costing more than the later levels' filtered sweeps (usually one).
@@ -1354,7 +1419,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   TSI_MARK(4);
   if (bitmap) {
     mark_selected(G, Q, candK, candI, c, t);
-    bitmap_emit(sm, G, Q, W, t.need_eq, [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
+    bitmap_emit<(LIST_CAP + THREADS - 1) / THREADS>(sm, G, Q, W, t.need_eq, [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
   } else {
     smem_select(sm, par, candK, c, t, [&](uint32_t rank, int i) { out[rank] = src.pos((int)candI[i]); });
   }
