@@ -620,8 +620,9 @@ _ROW_SPARSE_DECODE = {False: (128, 4, 3, 2 * _ROW_TILES, False, True, None, 3),
 # per-CTA pipelines give: 128 x 128K measured 696 -> 614-620 us on the H200 (benchmarks/NOTES.md, v5). Sparse
 # decode went the other way (95 -> 103-112 us): its gathered 1 KB blocks want the deeper per-CTA prefetch.
 # With 128 heads the accumulator alone takes 128 registers, so the cap stays off there; SM100 (another MMA and
-# pipeliner, not measured) keeps the previous configuration.
-_ROW_DENSE_DECODE = (128, 4, 2, _ROW_TILES, True, False, 96, None)
+# pipeliner, not measured) keeps the previous configuration. Programs sized by _row_tiles (up to 32 tiles, 5 CTAs
+# per SM): 624 -> 619 us at 128 x 128K (25-tile programs; NOTES.md, v6).
+_ROW_DENSE_DECODE = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, 5)
 # FP8 sparse prefill (one row per program) on SM90, up to 64 heads: the same occupancy argument; 2160 -> 1629 us
 # (510 -> 675 TFLOP/s useful) at 4096 x 16K candidates on the H200 (benchmarks/NOTES.md, v5).
 _ROW_SPARSE_PREFILL = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, None)
