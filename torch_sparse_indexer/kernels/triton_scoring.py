@@ -611,8 +611,9 @@ _ROW_WIDE = (128, 4, 3, _ROW_TILES, True, False, None, None)
 # Paged sparse decode: ids packed into one shared-memory gather per tile (14 barriers per program instead of
 # 38) measured 110 -> 98 us (FP8, 128-token tiles) and 186 -> 172 us (MXFP4, 32 tiles) on the H200
 # (benchmarks/NOTES.md, v4).
-# The last element, CTAs per SM on the H200 (Nsight Compute: FP8 60 KB of shared memory, MXFP4 210 registers),
-# lets _row_tiles size the programs so that the grid fills whole waves (see there).
+# The last element, CTAs per SM on the H200 (FP8: 62 KB of shared memory in a local sm_90a compile; MXFP4: 210
+# registers, Nsight Compute), lets _row_tiles size the programs so that the grid fills whole waves (see there;
+# on another GPU a wrong count only changes that estimate).
 _ROW_SPARSE_DECODE = {False: (128, 4, 3, 2 * _ROW_TILES, False, True, None, 3),
                       True: (64, 4, 3, 4 * _ROW_TILES, False, True, None, 2)}
 # FP8 dense decode on SM90, up to 64 heads: two stages and at most 96 registers per thread let 5 CTAs share an
@@ -686,7 +687,7 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
     block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg, ctas = _rows_config(HP, fp4, paged, sparse, sm90)
     nt = tiles
     if "row_tiles" in CONFIG_OVERRIDES:  # tests and benchmarks: a fixed count (<= tiles)
-        nt = min(tiles, int(CONFIG_OVERRIDES["row_tiles"]))
+        nt = max(1, min(tiles, int(CONFIG_OVERRIDES["row_tiles"])))
     elif ctas:
         nt = _row_tiles(R, L, block_n, tiles, ctas * _num_sms(q.device))
     grid = (R, triton.cdiv(L, nt * block_n))
