@@ -999,12 +999,6 @@ __device__ void final_global(Smem& sm, int& par, const Src& src, const Thresh& t
   });
 }
 
-// One read of the row: every key to K[0, m) in shared memory (in the layout of kslot), zeros in K[m, m rounded
-// up to 32), the coarse
-// histogram to sm.hist (and ctl[4] = 0). Ends with a barrier. This loop was the largest share of the
-// shared-memory rows' instructions (NOTES.md), hence: keys stored 16 bytes at a time where the row's element 0
-// starts an item's group of 4 (fp32 rows 16-byte aligned, bf16 rows 8-byte aligned; keys past m are 0, so those
-// stores also pad), and dense batches inside the row skip the per-key bounds tests.
 // cp.async (SM80+): 16 bytes from global to shared memory without passing through registers; commit groups and
 // their waits are per thread. The emulator copies at once.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -1083,6 +1077,12 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   __syncthreads();
 }
 
+// One read of the row: every key to K[0, m) in shared memory (in the layout of kslot), zeros in K[m, m rounded
+// up to 32), the coarse histogram to sm.hist (and ctl[4] = 0). Ends with a barrier. This loop was the largest
+// share of the shared-memory rows' instructions (NOTES.md), hence: keys stored 16 bytes at a time where the row's
+// element 0 starts an item's group of 4 (fp32 rows 16-byte aligned, bf16 rows 8-byte aligned; keys past m are 0,
+// so those stores also pad), and dense batches inside the row skip the per-key bounds tests. Dense fp32 rows
+// with element 0 16-byte aligned take keys_to_smem_async instead.
 template <int U, class Src>
 __device__ void keys_to_smem(Smem& sm, const Src& src, uint32_t* K) {
   if constexpr (Src::KIND == DENSE && Src::E == 4) {
@@ -1273,9 +1273,8 @@ __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   Thresh t;
   t.tkey = 0u;
   t.need_eq = 0u;
-  // Each finer digit's histogram sweeps all keys, filtered by the fixed prefix: cheaper on the H200 than
-  // gathering the threshold bin's keys first (4096 x 16K: 225 vs 261 us, NOTES.md), the gather's
-  // warp-aggregated appends costing more than the later levels' filtered sweeps (usually one).
+  // Threshold bins too large for the bitmap path (massive ties): each finer digit's histogram sweeps all keys,
+  // filtered by the fixed prefix (no buffer can hold the bin).
   if (total > (uint32_t)kk)
     t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, K, round32(m), L, P); },
                 /*have_bin=*/true);
@@ -1503,7 +1502,8 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   TSI_MARK(4);
   if (bitmap) {
     mark_selected(G, Q, candK, candI, c, t);
-    bitmap_emit<(LIST_CAP + THREADS - 1) / THREADS>(sm, G, Q, W, t.need_eq, [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
+    bitmap_emit<(LIST_CAP + THREADS - 1) / THREADS>(sm, G, Q, W, t.need_eq,
+                                                   [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
   } else {
     smem_select(sm, par, candK, c, t, [&](uint32_t rank, int i) { out[rank] = src.pos((int)candI[i]); });
   }
