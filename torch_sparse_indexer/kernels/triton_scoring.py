@@ -592,9 +592,9 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Benchmarks may override a launch configuration per kernel family ("rows", "prefill_dense", "pair") to
-# compare alternatives; the defaults below are what the library launches (fixed, so results never depend
-# on timing-based tuning).
+# Benchmarks may override a launch configuration per kernel family ("rows", "prefill_dense", "pair"), and the
+# row kernel's tiles per program ("row_tiles"), to compare alternatives; the defaults below are what the library
+# launches (fixed, so results never depend on timing-based tuning).
 CONFIG_OVERRIDES: dict = {}
 
 
