@@ -1,0 +1,59 @@
+"""The GPU kernels' logic on a CPU, inside the normal test run (so CI, which has no GPU, runs it too):
+
+* the Triton scoring and cache tests (``test_triton_kernels.py``) under triton's interpreter on small shapes,
+  every kernel against the reference (issue 4 asks CI to run them there);
+* a part of the CUDA top-k tests (``test_topk_cuda.py``) against the CPU emulation build of ``csrc/``
+  (``csrc/emu``: the same kernel source with small tuning constants, so small rows reach every path).
+
+Each runs in a subprocess because the interpreter and the emulator are chosen when those modules are imported.
+Skipped where triton (interpreter) or g++ (emulator) is missing, and with ``TSI_SKIP_EMULATED=1`` (together they add
+a few minutes). The whole emulated top-k file takes 15-25 minutes on two cores; run it by hand with
+``TSI_TOPK_EMU=lib.so pytest tests/test_topk_cuda.py`` (``csrc/README.md``).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.environ.get("TSI_SKIP_EMULATED") == "1", reason="TSI_SKIP_EMULATED=1")]
+
+# Emulated top-k tests run here (about half the file): every row path (shared-memory rows with the bitmap
+# selection and the old refinement, streamed rows sampled and two-pass, overflowing threshold bins, cluster
+# slices), the value patterns (ties, NaN, -inf, signed zeros, ...) on shared-memory rows, sparse and block
+# variants, tiny and empty rows.
+TOPK_SUBSET = ("test_topk_random or (test_topk_patterns and 1023) or test_topk_overflowing "
+               "or test_topk_cluster_slices or test_topk_empty_and_tiny or test_sparse_topk or test_block_topk")
+
+
+def _pytest(args, env_extra, timeout):
+    env = dict(os.environ)
+    for k in ("TSI_TOPK_EMU", "TRITON_INTERPRET", "TSI_TEST_DEVICE"):
+        env.pop(k, None)
+    env.update(env_extra)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-40:])
+    assert p.returncode == 0, tail
+    assert " passed" in tail.splitlines()[-1], tail
+    return tail
+
+
+def test_triton_kernels_under_interpreter():
+    pytest.importorskip("triton")
+    _pytest(["tests/test_triton_kernels.py"], {"TRITON_INTERPRET": "1", "TSI_TEST_DEVICE": "cpu"}, timeout=2400)
+
+
+def test_topk_kernels_under_emulator(tmp_path):
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ for the emulation build")
+    lib = str(tmp_path / "topk_emu.so")
+    b = subprocess.run(["bash", os.path.join(ROOT, "csrc", "emu", "build_emu.sh"), lib], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert b.returncode == 0, b.stderr[-4000:]
+    _pytest(["tests/test_topk_cuda.py", "-k", TOPK_SUBSET], {"TSI_TOPK_EMU": lib}, timeout=3600)
