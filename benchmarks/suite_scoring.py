@@ -99,6 +99,19 @@ def _cands(B, nblocks, nbk, seed=0):
     return r.topk(nbk, dim=1).indices.sort(dim=1).values.to(torch.int32).contiguous()
 
 
+def decode_call(kind, fmt, B=128, ctx=131072, nbk=2048):
+    """``(run, out)``: one decode scoring call at a target shape of this suite (``kind`` ``sparse``: 2048
+    candidate blocks of 8 per row; ``dense``: every position), for the development scripts (``scripts/``)."""
+    cache, bt, lens, qs = _decode_setup(B, ctx, fmt)
+    if kind == "sparse":
+        cand = _cands(B, ctx // CBS, nbk)
+        out = torch.empty(B, nbk * CBS, device=DEV)
+        return (lambda: ts.paged_sparse_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, cand, CBS,
+                                                   out)), out
+    out = torch.empty(B, ctx, device=DEV)
+    return (lambda: ts.paged_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, out)), out
+
+
 def _ref_rows_diff(mine, ref_fn, rows):
     ref = torch.empty(rows, mine.shape[1], device=DEV)
     ref_fn(ref)

@@ -10,18 +10,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import suite_scoring as ss  # noqa: E402
-from torch_sparse_indexer.kernels import triton_scoring as ts  # noqa: E402
 
-kind, fmt = sys.argv[1], sys.argv[2]
-B, ctx, nbk = 128, 131072, 2048
-cache, bt, lens, qs = ss._decode_setup(B, ctx, fmt)
-if kind == "sparse":
-    cand = ss._cands(B, ctx // ss.CBS, nbk)
-    out = torch.empty(B, nbk * ss.CBS, device="cuda")
-    run = lambda: ts.paged_sparse_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, cand, ss.CBS, out)  # noqa: E731
-else:
-    out = torch.empty(B, ctx, device="cuda")
-    run = lambda: ts.paged_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, out)  # noqa: E731
+run, _ = ss.decode_call(sys.argv[1], sys.argv[2])
 for _ in range(3):
     run()
 torch.cuda.synchronize()

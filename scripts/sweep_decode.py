@@ -30,15 +30,7 @@ def main():
     out_csv = sys.argv[1] if len(sys.argv) > 1 else None
     rows = []
     for (kind, fmt), items in SWEEP.items():
-        cache, bt, lens, qs = ss._decode_setup(B, CTX, fmt)
-        if kind == "sparse":
-            cand = ss._cands(B, CTX // ss.CBS, NBK)
-            out = torch.empty(B, NBK * ss.CBS, device="cuda")
-            fn = lambda: ts.paged_sparse_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None,  # noqa: E731
-                                                    cand, ss.CBS, out)
-        else:
-            out = torch.empty(B, CTX, device="cuda")
-            fn = lambda: ts.paged_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, out)  # noqa: E731
+        fn, out = ss.decode_call(kind, fmt, B, CTX, NBK)
         width = out.shape[1]
         fn()
         base = out.clone()
@@ -60,15 +52,14 @@ def main():
                 continue
             full = ts._rows_config(64, fmt == "mxfp4", True, kind == "sparse")
             bn = full[0]
-            tiles = nt or (ts._row_tiles(B, width, bn, full[3], full[7] * ts._num_sms(out.device))
-                           if full[7] else full[3])
+            tiles = ts._program_tiles(B, width, bn, full[3], full[7], out.device)
             progs = B * -(-width // (tiles * bn))
             row = dict(kind=kind, fmt=fmt, config=str(cfg or "default"), row_tiles=nt or f"auto({tiles})",
                        programs=progs, time_us=round(t, 2), bitwise_equal=same, calc_diff=diff)
             rows.append(row)
             print(row, flush=True)
         ts.CONFIG_OVERRIDES.clear()
-        del cache, out, base
+        del fn, out, base
         torch.cuda.empty_cache()
     if out_csv:
         common.write_csv(rows, out_csv)

@@ -653,6 +653,7 @@ def _chunk_cols(rows: int, width: int, block_n: int, sms: int, waves: int = 32, 
     return min(cols, max(block_n, triton.cdiv(width, block_n) * block_n))
 
 
+@functools.lru_cache(maxsize=1024)  # on every eager launch; a pure function of ints
 def _row_tiles(rows: int, width: int, block_n: int, tiles: int, slots: int, min_tiles: int = 4,
                overhead: float = 1.5) -> int:
     """Tiles per program of a row-kernel grid ``rows x ceil(tiles per row / t)``, ``min(tiles, min_tiles) <= t <=
@@ -667,6 +668,16 @@ def _row_tiles(rows: int, width: int, block_n: int, tiles: int, slots: int, min_
         if best_cost is None or cost < best_cost:
             best_t, best_cost = t, cost
     return best_t
+
+
+def _program_tiles(rows: int, width: int, block_n: int, tiles: int, ctas, device) -> int:
+    """Tiles per program the row kernel launches with: a forced count (``CONFIG_OVERRIDES["row_tiles"]``, tests
+    and benchmarks), else ``_row_tiles`` for configurations that know their CTAs per SM, else ``tiles``."""
+    if "row_tiles" in CONFIG_OVERRIDES:
+        return max(1, min(tiles, int(CONFIG_OVERRIDES["row_tiles"])))
+    if ctas:
+        return _row_tiles(rows, width, block_n, tiles, ctas * _num_sms(device))
+    return tiles
 
 
 def _q_bytes(q):
@@ -685,11 +696,7 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
     HP = _heads_pad(H)
     sm90 = not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] == 9  # the interpreter: the SM90 path
     block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg, ctas = _rows_config(HP, fp4, paged, sparse, sm90)
-    nt = tiles
-    if "row_tiles" in CONFIG_OVERRIDES:  # tests and benchmarks: a fixed count (<= tiles)
-        nt = max(1, min(tiles, int(CONFIG_OVERRIDES["row_tiles"])))
-    elif ctas:
-        nt = _row_tiles(R, L, block_n, tiles, ctas * _num_sms(q.device))
+    nt = _program_tiles(R, L, block_n, tiles, ctas, q.device)
     grid = (R, triton.cdiv(L, nt * block_n))
     dummy = context_lens if paged else ks
     if paged:
