@@ -338,10 +338,16 @@ struct SparseSrc {
 // H200 those waits were the largest stall of sparse_topk's shared-memory rows; NOTES.md).
 template <typename T>
 struct SparseTabSrc : SparseSrc<T> {
-  const int* tv;  // shared memory: valid_in(block id) per candidate block of the row
-  __device__ SparseTabSrc(const SparseSrc<T>& s, const int* tv_) : SparseSrc<T>(s), tv(tv_) {}
+  int* tv;  // shared memory: valid_in(block id) per candidate block of the row
+  int nb;   // candidate blocks of the row
+  __device__ SparseTabSrc(const SparseSrc<T>& s, int* tv_)
+      : SparseSrc<T>(s), tv(tv_), nb((s.m + s.cbs - 1) >> s.lcbs) {}
   __device__ __forceinline__ void elems(const Raw& raw, int c, uint32_t (&key)[SparseSrc<T>::E]) const {
     this->elems_with(raw, c, key, [&](int b) { return tv[b]; });
+  }
+  // The table from global loads (before the streamed load).
+  __device__ void fill_table() const {
+    for (int b = threadIdx.x; b < nb; b += THREADS) tv[b] = this->valid_in(__ldg(this->blk + b));
   }
 };
 
@@ -1009,6 +1015,14 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 #endif
 }
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+#ifdef TSI_EMULATE
+  memcpy(smem, gmem, 4);
+#else
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() {
 #ifndef TSI_EMULATE
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -1021,12 +1035,14 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// keys_to_smem for fp32 rows whose element 0 is 16-byte aligned (dense rows; sparse rows only in builds with
-// TSI_SPARSE_ASYNC=1, see below): every chunk of 4 scores inside the row is copied straight into its key slot by
-// cp.async, the whole row at once (64 KB in flight per CTA instead of two 16-byte tiles per thread through
-// registers: the streamed load was bound by bytes in flight, 5.7 us per row with two CTAs per SM, NOTES.md), in
-// four commit groups; each thread converts its own chunks in place (raw bits to keys; sparse rows: their columns'
-// validity) and counts them as its groups land, so no barrier separates a copy from its conversion.
+// keys_to_smem for fp32 rows whose element 0 is 16-byte aligned (dense rows, and sparse rows: SparseTabSrc):
+// every chunk of 4 scores inside the row is copied straight into its key slot by cp.async, the whole row at once
+// (64 KB in flight per CTA instead of two 16-byte tiles per thread through registers: the streamed load was bound
+// by bytes in flight, 5.7 us per row with two CTAs per SM, NOTES.md), in four commit groups; each thread converts
+// its own chunks in place (raw bits to keys; sparse rows: their columns' validity) and counts them as its groups
+// land, so no barrier separates a copy from its conversion. A sparse row's candidate block ids go first, by
+// cp.async as well, into its table of valid prefixes: global loads of them before the copies would delay the row
+// by a DRAM latency, and after the copies they would wait behind the whole row (NOTES.md, run 37).
 template <class Src>
 __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   static_assert(Src::E == 4, "fp32 chunks");
@@ -1035,6 +1051,10 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   constexpr int PER = NU / G;
   static_assert(NU % G == 0 && G >= 1 && G <= 4, "commit groups");
   const int m = src.m, nfull = m >> 2, tid = (int)threadIdx.x;
+  if constexpr (Src::KIND == SPARSE) {
+    for (int b = tid; b < src.nb; b += THREADS) cp_async4(src.tv + b, src.blk + b);
+    cp_async_commit();
+  }
 #pragma unroll
   for (int g = 0; g < G; ++g) {
 #pragma unroll
@@ -1047,7 +1067,11 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   clear_hist(sm);
   if (tid == 0) sm.ctl[4] = 0u;
   for (int i = 4 * nfull + tid; i < round32(m); i += THREADS) K[kslot(i)] = 0u;  // past the copies: tail + padding
-  __syncthreads();  // the histogram is clear (and a sparse row's valid prefixes are stored) before the counts
+  if constexpr (Src::KIND == SPARSE) {  // this thread's block ids have landed: their valid prefixes, in place
+    cp_async_wait<G>();
+    for (int b = tid; b < src.nb; b += THREADS) src.tv[b] = src.valid_in(src.tv[b]);
+  }
+  __syncthreads();  // the histogram is clear and a sparse row's valid prefixes are stored before the counts
   if (tid == 0 && 4 * nfull < m) {  // the partial last chunk
     if constexpr (Src::KIND == DENSE) {
       for (int i = 4 * nfull; i < m; ++i) {
@@ -1083,13 +1107,13 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
           atomicAdd(&sm.hist[v.y >> 21], 1u);
           atomicAdd(&sm.hist[v.z >> 21], 1u);
           atomicAdd(&sm.hist[v.w >> 21], 1u);
-        } else {
-          Raw raw;
-          raw.w[0] = v.x; raw.w[1] = v.y; raw.w[2] = v.z; raw.w[3] = v.w;
-          uint32_t key[4];
-          src.elems(raw, c, key);
+        } else {  // columns [4c, 4c + 4) lie in one candidate block (cbs >= 8): its first nv columns are valid
+          const int nv = src.tv[(4 * c) >> src.lcbs] - ((4 * c) & (src.cbs - 1));
+          const uint32_t key[4] = {nv > 0 ? f32_key(v.x) : 0u, nv > 1 ? f32_key(v.y) : 0u,
+                                   nv > 2 ? f32_key(v.z) : 0u, nv > 3 ? f32_key(v.w) : 0u};
           *q = make_uint4(key[0], key[1], key[2], key[3]);
-          hist_keys<4>(sm, key, 0, 0u);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) hist_inc(sm, key[j] >> 21, nv > j);
         }
       }
     }
@@ -1097,10 +1121,10 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   __syncthreads();
 }
 
-// Sparse fp32 rows through keys_to_smem_async: written and checked by the CPU emulator, not yet measured on a GPU
-// (NOTES.md, session 6), so off by default; `csrc/build.sh out.so -DTSI_SPARSE_ASYNC=1` builds it.
+// Sparse fp32 rows through keys_to_smem_async (on by default since run 37, NOTES.md; -DTSI_SPARSE_ASYNC=0 builds
+// the streamed load for them, for comparisons).
 #ifndef TSI_SPARSE_ASYNC
-#define TSI_SPARSE_ASYNC 0
+#define TSI_SPARSE_ASYNC 1
 #endif
 
 // One read of the row: every key to K[0, m) in shared memory (in the layout of kslot), zeros in K[m, m rounded
@@ -1117,6 +1141,7 @@ __device__ void keys_to_smem(Smem& sm, const Src& src, uint32_t* K) {
       return;
     }
   }
+  if constexpr (Src::KIND == SPARSE) src.fill_table();  // ordered before the load loop by the barrier below
   const int m = src.m;
   constexpr bool VEC = Src::E % 4 == 0;
   const bool vec = VEC && (src.index(0, 0) & 3) == 0;
@@ -1311,17 +1336,13 @@ __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   TSI_MARK(14);
 }
 
-// Shared-memory rows. Sparse rows first put their candidates' valid prefixes in shared memory, in the
-// staging area past the keys (free until the selection, which comes after the load that reads them).
+// Shared-memory rows. Sparse rows put their candidates' valid prefixes in shared memory (keys_to_smem fills the
+// table), in the staging area past the keys (free until the selection, which comes after the load that reads them).
 template <int U, class Src>
 __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
   if constexpr (Src::KIND == SPARSE) {
     static_assert(REGION_WORDS - SMEM_KEYS >= SMEM_KEYS / 8, "one valid count per block of at least 8 keys");
-    int* tv = reinterpret_cast<int*>(sm.region + SMEM_KEYS);
-    const int nb = (src.m + src.cbs - 1) >> src.lcbs;
-    for (int b = threadIdx.x; b < nb; b += THREADS) tv[b] = src.valid_in(__ldg(src.blk + b));
-    // keys_to_smem's first barrier orders these stores before the load loop's reads
-    smem_rows<U>(sm, SparseTabSrc<typename Src::Elem>(src, tv), out, kk);
+    smem_rows<U>(sm, SparseTabSrc<typename Src::Elem>(src, reinterpret_cast<int*>(sm.region + SMEM_KEYS)), out, kk);
   } else {
     smem_rows<U>(sm, src, out, kk);
   }
