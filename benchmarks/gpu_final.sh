@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that runs the parts named in PARTS (comma-separated, default "tests,example,bench"):
-#   tests    every GPU-marked test file (Triton scoring/cache, CUDA top-k and cache write, DeepGEMM, capture, replay,
+#   tests    every GPU-marked test file (Triton scoring/cache, CUDA top-k, DeepGEMM, capture, replay,
 #            determinism, bad-input matrix, fuzz gpu profile, ...), one timeout per file
 #   example  examples/two_level_indexer.py on the GPU (compiled + CUDA graphs, checked against the reference)
 #   bench    benchmarks/bench.py suites named in SUITES (default "scoring topk deepgemm cp")
@@ -70,7 +70,6 @@ run_file() {  # run_file SECONDS FILE...   (SKIP_FILES="test_oracle test_fuzz" s
 if [[ $PARTS == *,tests,* ]]; then
   run_file 120 tests/test_triton_kernels.py -k "not deepgemm"
   run_file 180 tests/test_topk_cuda.py
-  run_file 60 tests/test_cuda_cache.py
   run_file 90 tests/test_capture_gpu.py
   run_file 60 tests/test_oracle.py
   run_file 120 tests/test_determinism.py tests/test_bad_input_matrix.py tests/test_bad_input.py tests/test_layers.py \

@@ -1,18 +1,16 @@
-// C ABI of libsparse_indexer_topk.so, the library of the csrc/ kernels (the top-k kernels of topk_kernels.cuh
-// and the MXFP4 cache write of cache_kernels.cuh): launch functions over raw device pointers, so one build serves
+// C ABI of libsparse_indexer_topk.so: launch functions over raw device pointers, so one build serves
 // every torch version (the Python side passes tensor.data_ptr() and the current stream). Every
 // function returns a cudaError_t code (0 = success); nothing synchronizes and nothing allocates, so
 // the launches can be captured in CUDA graphs. The launch configuration depends only on the shapes.
 #include <cstddef>
 
-#include "cache_kernels.cuh"
 #include "topk_kernels.cuh"
 
 namespace {
 
 using tsi::Params;
 
-constexpr int kVersion = 4;  // 4: tsi_write_k_cache_mxfp4
+constexpr int kVersion = 3;
 
 int log2_exact(int v) {
   int l = 0;
@@ -252,30 +250,6 @@ int tsi_block_topk(const void* logits, long long row_stride, int rows, int width
   if (dtype == 0)
     return vec ? launch<tsi::BlockVecSrc<float>>(p, s) : launch<tsi::BlockScalarSrc<float>>(p, s);
   return vec ? launch<tsi::BlockVecSrc<tsi::bf16_tag>>(p, s) : launch<tsi::BlockScalarSrc<tsi::bf16_tag>>(p, s);
-}
-
-// write_k_cache, MXFP4: k [T, D] (D = 64 or 128; bf16 if k_bf16 else fp32, rows contiguous, 16-byte aligned)
-// quantized and written to slot slots[t] (int64 if slot64 else int32) of the paged cache at kv (page p at
-// kv + p * page_stride bytes, page_stride % 16 == 0; block_size = 1 << lbs tokens of D / 2 value bytes, then their
-// scale words). Slots outside [0, num_slots) are skipped.
-int tsi_write_k_cache_mxfp4(const void* k, long long T, int D, int k_bf16, const void* slots, int slot64,
-                            void* kv, long long num_slots, int lbs, long long page_stride, uintptr_t stream) {
-  if (T < 0 || (D != 64 && D != 128) || lbs < 0 || lbs > 20 || page_stride % 16 != 0 || num_slots < 0)
-    return cudaErrorInvalidValue;
-  if (T == 0) return cudaSuccess;
-  tsi_cache::WriteParams p{k, slots, static_cast<unsigned char*>(kv), T, num_slots, page_stride, lbs, D,
-                           k_bf16 ? 1 : 0, slot64 ? 1 : 0};
-  const long long per_cta = (long long)(tsi_cache::THREADS / (D / 8)) * tsi_cache::TPT;
-  const long long grid = (T + per_cta - 1) / per_cta;
-  if (grid > 0x7fffffffll) return cudaErrorInvalidValue;
-#ifndef TSI_EMULATE
-  tsi_cache::write_mxfp4_kernel<<<(unsigned)grid, tsi_cache::THREADS, 0, reinterpret_cast<cudaStream_t>(stream)>>>(p);
-  return cudaGetLastError();
-#else
-  (void)stream;
-  tsi_emu::launch((int)grid, tsi_cache::THREADS, 0, [p]() { tsi_cache::write_mxfp4_kernel(p); });
-  return cudaSuccess;
-#endif
 }
 
 }  // extern "C"

@@ -41,8 +41,5 @@ if _torch.cuda.is_available():
 
         if cuda_topk.available():
             cuda_topk.register()
-            from . import cuda_cache
-
-            cuda_cache.register()  # the MXFP4 cache write, in the same library
     except Exception as _e:  # a broken or foreign build must not break the reference backend
         _log.warning("torch_sparse_indexer: CUDA top-k kernels not registered (%s)", _e)

@@ -1,7 +1,6 @@
 """CUDA top-k kernels (``csrc/topk.cu``): exact, deterministic ``topk``, ``sparse_topk`` and ``block_topk``.
 
-The kernels live in a standalone shared library, ``torch_sparse_indexer/_C/libsparse_indexer_topk.so``
-(which also holds the MXFP4 cache write of :mod:`.cuda_cache`; this module loads it),
+The kernels live in a standalone shared library, ``torch_sparse_indexer/_C/libsparse_indexer_topk.so``,
 built ahead of time by ``pip install .`` (or ``csrc/build.sh``) with a plain ``nvcc``. It exposes a C ABI
 over raw device pointers and takes the stream as an integer, so one build serves every torch version;
 it is loaded with :mod:`ctypes` only when present and CUDA is available. Importing never compiles.
@@ -57,9 +56,6 @@ def load(path: Optional[str] = None) -> ctypes.CDLL:
     lib.tsi_topk_set_sampled.argtypes = [i32]
     lib.tsi_topk_error_string.argtypes = [ctypes.c_int]
     lib.tsi_topk_error_string.restype = ctypes.c_char_p
-    if hasattr(lib, "tsi_write_k_cache_mxfp4"):  # library version >= 4 (kernels/cuda_cache.py)
-        lib.tsi_write_k_cache_mxfp4.argtypes = [vp, ll, i32, i32, vp, i32, vp, ll, i32, ll, up]
-        lib.tsi_write_k_cache_mxfp4.restype = ctypes.c_int
     _lib = lib
     return lib
 
