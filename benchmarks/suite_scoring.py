@@ -456,11 +456,13 @@ def bench_cache(rows, quick):
             _row(rows, op="write_k_cache", impl=f"triton {name}", fmt=fmt, shape=f"T{T} D{D} bf16",
                  time_us=tcont, floor_us=common.floor_us(by), tbps=by / tcont / 1e6, target=">= 0.8 of copy bw",
                  meets=common.floor_us(by) / tcont >= 0.8, check="")
-        # (tokens per program, integer e4m3 rounding[, warps[, L2 hints]]): alternatives to the default (32, False,
-        # 4, True). FP8 on random slots is short of its target, its scale words each a partial-sector write; the
-        # hints keep them in L2 until neighbouring slots fill their sectors.
-        _sweep(rows, tc.CONFIG_OVERRIDES, "write", [(32, True), (64, False, 4, True), (64, False, 4, False),
-                                                    (16, False, 1, True), (32, False, 2, True), (128, False, 4, True)],
+        # (tokens per program, integer e4m3 rounding[, warps[, L2 hints]]): the defaults of both formats (FP8 16
+        # tokens on one warp, MXFP4 32 on four: triton_cache._WRITE_LAUNCH) and alternatives. FP8 on random slots is
+        # at its target's edge, its scale words each a partial-sector write; the hints keep them in L2 until
+        # neighbouring slots fill their sectors.
+        _sweep(rows, tc.CONFIG_OVERRIDES, "write", [(16, False, 1, True), (32, False, 4, True), (32, True),
+                                                    (64, False, 4, True), (64, False, 4, False), (32, False, 2, True),
+                                                    (128, False, 4, True)],
                fn, op="write_k_cache",
                fmt=fmt, shape=f"T{T} D{D} bf16", floor=common.floor_us(by), nbytes=by, check=write_check)
         bt = torch.randperm(nb, device=DEV).to(torch.int32).view(1, nb)

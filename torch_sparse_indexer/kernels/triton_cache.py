@@ -18,7 +18,10 @@ from .. import backends, formats
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _TOK = 64  # query-head rows per program (quantize)
-_WTOK = 32  # tokens per program (write: 32 and 64 equal for FP8, 32 faster for MXFP4, 187 vs 198 us; 128 slower)
+# (tokens per program, warps) of the cache write per format: MXFP4 32 tokens, 4 warps (187 vs 198 us at 64 tokens;
+# 128 slower); FP8 16 tokens, one warp (1M random slots on the H200: 121.1-121.4 vs 122.7-123.5 us at 32 tokens,
+# 4 warps, in three runs: 0.80 vs 0.79 of copy bandwidth; NOTES.md, session 7)
+_WRITE_LAUNCH = {"fp8": (16, 1), "mxfp4": (32, 4)}
 _GTOK = 128  # rows per program (gather)
 
 # Benchmarks may override launches: {"write": see _write_config, "gather": see _gather_config}. The defaults
@@ -26,14 +29,14 @@ _GTOK = 128  # rows per program (gather)
 CONFIG_OVERRIDES: dict = {}
 
 
-def _write_config():
-    """(tokens per program, integer e4m3 rounding, warps, L2 hints); an override may leave out the last two
-    (4 warps, no hints). The default keeps the scale words in L2 (FP8, 1M random slots on the H200: 130 -> 124
-    us) and writes 32 tokens per program (MXFP4: 198 -> 187 us; NOTES.md, run 24). On the GPU the e4m3 bytes
-    come from triton's fp8 cast (the hardware's round-to-nearest-even conversion: 206 -> 129 us for 1M tokens,
-    bytes equal to the reference's there; quantize_q uses it too); the integer rounding serves the
-    interpreter, whose cast does not round."""
-    cfg = tuple(CONFIG_OVERRIDES.get("write", (_WTOK, _INTERPRET, 4, True)))
+def _write_config(fmt: str):
+    """(tokens per program, integer e4m3 rounding, warps, L2 hints); an override (both formats) may leave out the
+    last two (4 warps, no hints). The default keeps the scale words in L2 (FP8, 1M random slots on the H200: 130 ->
+    124 us) with the per-format launch of _WRITE_LAUNCH. On the GPU the e4m3 bytes come from triton's fp8 cast (the
+    hardware's round-to-nearest-even conversion: 206 -> 129 us for 1M tokens, bytes equal to the reference's
+    there; quantize_q uses it too); the integer rounding serves the interpreter, whose cast does not round."""
+    tok, warps = _WRITE_LAUNCH[fmt]
+    cfg = tuple(CONFIG_OVERRIDES.get("write", (tok, _INTERPRET, warps, True)))
     return cfg + (4, False)[len(cfg) - 2:]
 
 
@@ -253,7 +256,7 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     T, D = k.shape
     if T == 0:
         return
-    tok, soft, warps, hints = _write_config()
+    tok, soft, warps, hints = _write_config(fmt)
     _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, formats.log2_block_size(bs), stride,
                                           D=D, FP4=fmt == "mxfp4", POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft,
                                           HINTS=bool(hints), num_warps=warps)
