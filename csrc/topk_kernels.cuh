@@ -131,14 +131,6 @@ __device__ __forceinline__ uint32_t f32_key(uint32_t b) {
   return x != x ? 1u : k;
 }
 
-// The sign flip alone (two instructions): f32_key except for -0 (0x7fffffff instead of +0's 0x80000000) and NaN
-// (above +inf or below -inf, or 0 for the all-ones pattern). Exact keys from it: exact_from_lazy. Used by the
-// shared-memory rows' load (TSI_LAZY_KEYS builds), which repairs the row when those cases could matter (smem_rows).
-__device__ __forceinline__ uint32_t lazy_key(uint32_t b) { return b ^ ((uint32_t)((int)b >> 31) | 0x80000000u); }
-__device__ __forceinline__ uint32_t exact_from_lazy(uint32_t k) {
-  return f32_key((k & 0x80000000u) ? k ^ 0x80000000u : ~k);
-}
-
 template <typename T> struct DT;
 template <> struct DT<float> {
   static constexpr int V = 4;  // elements per 16-byte chunk
@@ -1051,7 +1043,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // land, so no barrier separates a copy from its conversion. A sparse row's candidate block ids go first, by
 // cp.async as well, into its table of valid prefixes: global loads of them before the copies would delay the row
 // by a DRAM latency, and after the copies they would wait behind the whole row (NOTES.md, run 37).
-template <bool LAZY, class Src>
+template <class Src>
 __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   static_assert(Src::E == 4, "fp32 chunks");
   constexpr int NU = SMEM_KEYS / 4 / THREADS;  // chunks per thread (a row has at most SMEM_KEYS keys)
@@ -1108,14 +1100,7 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
       if (c < nfull) {
         uint4* q = reinterpret_cast<uint4*>(K + 4 * kgroup(c));
         uint4 v = *q;
-        if constexpr (Src::KIND == DENSE && LAZY) {  // every column is an element: no validity, no sink
-          v.x = lazy_key(v.x); v.y = lazy_key(v.y); v.z = lazy_key(v.z); v.w = lazy_key(v.w);
-          *q = v;
-          atomicAdd(&sm.hist[v.x >> 21], 1u);
-          atomicAdd(&sm.hist[v.y >> 21], 1u);
-          atomicAdd(&sm.hist[v.z >> 21], 1u);
-          atomicAdd(&sm.hist[v.w >> 21], 1u);
-        } else if constexpr (Src::KIND == DENSE) {
+        if constexpr (Src::KIND == DENSE) {  // every column is an element: no validity, no sink
           v.x = f32_key(v.x); v.y = f32_key(v.y); v.z = f32_key(v.z); v.w = f32_key(v.w);
           *q = v;
           atomicAdd(&sm.hist[v.x >> 21], 1u);
@@ -1141,11 +1126,6 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
 #ifndef TSI_SPARSE_ASYNC
 #define TSI_SPARSE_ASYNC 1
 #endif
-// Dense shared-memory rows on the async load store lazy_key (a third of the key transform's instructions) and are
-// repaired in the rare rows where -0 or NaN could change the selection (smem_rows). Development flag.
-#ifndef TSI_LAZY_KEYS
-#define TSI_LAZY_KEYS 0
-#endif
 
 // One read of the row: every key to K[0, m) in shared memory (in the layout of kslot), zeros in K[m, m rounded
 // up to 32), the coarse histogram to sm.hist (and ctl[4] = 0). Ends with a barrier. This loop was the largest
@@ -1153,13 +1133,12 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
 // element 0 starts an item's group of 4 (fp32 rows 16-byte aligned, bf16 rows 8-byte aligned; keys past m are 0,
 // so those stores also pad), and dense batches inside the row skip the per-key bounds tests. Dense fp32 rows
 // with element 0 16-byte aligned take keys_to_smem_async instead (and sparse ones in TSI_SPARSE_ASYNC builds).
-// Returns whether K[0, 4 * (m / 4)) holds lazy_key()s (LAZY: dense rows on the async load) instead of f32_key()s.
-template <int U, bool LAZY = false, class Src>
-__device__ bool keys_to_smem(Smem& sm, const Src& src, uint32_t* K) {
+template <int U, class Src>
+__device__ void keys_to_smem(Smem& sm, const Src& src, uint32_t* K) {
   if constexpr (Src::E == 4 && (Src::KIND == DENSE || (TSI_SPARSE_ASYNC && Src::KIND == SPARSE))) {
     if (src.ch.h == 0) {
-      keys_to_smem_async<LAZY>(sm, src, K);
-      return LAZY && Src::KIND == DENSE;
+      keys_to_smem_async(sm, src, K);
+      return;
     }
   }
   if constexpr (Src::KIND == SPARSE) src.fill_table();  // ordered before the load loop by the barrier below
@@ -1211,18 +1190,6 @@ __device__ bool keys_to_smem(Smem& sm, const Src& src, uint32_t* K) {
       hist_keys<Src::E>(sm, key[u], 0, 0u);
     }
   });
-  __syncthreads();
-  return false;
-}
-
-// Turns the lazy keys K[0, n) of keys_to_smem into exact ones and rebuilds the coarse histogram over K[0, m) (hist
-// was left zero by find_bin or holds the lazy keys' counts: cleared here). Starts and ends with a barrier.
-__device__ void exact_keys(Smem& sm, uint32_t* K, int n, int m) {
-  __syncthreads();
-  for (int i = threadIdx.x; i < n; i += THREADS) K[kslot(i)] = exact_from_lazy(K[kslot(i)]);
-  clear_hist(sm);
-  __syncthreads();
-  for (int i = threadIdx.x; i < m; i += THREADS) atomicAdd(&sm.hist[K[kslot(i)] >> 21], 1u);
   __syncthreads();
 }
 
@@ -1342,21 +1309,9 @@ __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   const int m = src.m;
   int par = 0;
   TSI_MARK(10);
-  bool lazy = keys_to_smem<U, TSI_LAZY_KEYS>(sm, src, K);
-  // Lazy keys differ from exact ones only for NaN (with +-inf: bins 0-3 and 2044-2047, the only keys there) and
-  // -0 (bin 1023 instead of 1024): exact keys first where the row has any of the former, or where the threshold
-  // falls in a zero bin (elsewhere both zeros lie on the same side of the threshold and compare alike).
-  if (lazy && (sm.hist[0] | sm.hist[1] | sm.hist[2] | sm.hist[3] | sm.hist[NBINS - 4] | sm.hist[NBINS - 3] |
-               sm.hist[NBINS - 2] | sm.hist[NBINS - 1]) != 0u) {
-    exact_keys(sm, K, m & ~3, m);
-    lazy = false;
-  }
+  keys_to_smem<U>(sm, src, K);
   TSI_MARK(11);
   find_bin<NBINS>(sm, (uint32_t)kk);
-  if (lazy && (sm.ctl[0] == NBINS / 2 - 1 || sm.ctl[0] == NBINS / 2)) {
-    exact_keys(sm, K, m & ~3, m);
-    find_bin<NBINS>(sm, (uint32_t)kk);
-  }
   TSI_MARK(12);
   const uint32_t total = sm.ctl[3];
   const int r = total <= (uint32_t)kk ? (int)total : kk;
