@@ -333,9 +333,10 @@ struct SparseSrc {
   }
 };
 
-// A sparse row whose candidates' valid prefixes were computed once into shared memory (smem_mode): the load
-// loop then reads them from shared memory instead of waiting on two dependent global loads per chunk (on the
-// H200 those waits were the largest stall of sparse_topk's shared-memory rows; NOTES.md).
+// A sparse row whose candidates' valid prefixes are computed once into shared memory (by keys_to_smem: fill_table,
+// or from ids copied by cp.async on the async load): the load then reads them from shared memory instead of
+// waiting on two dependent global loads per chunk (on the H200 those waits were the largest stall of
+// sparse_topk's shared-memory rows; NOTES.md).
 template <typename T>
 struct SparseTabSrc : SparseSrc<T> {
   int* tv;  // shared memory: valid_in(block id) per candidate block of the row
@@ -1107,7 +1108,8 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
           atomicAdd(&sm.hist[v.y >> 21], 1u);
           atomicAdd(&sm.hist[v.z >> 21], 1u);
           atomicAdd(&sm.hist[v.w >> 21], 1u);
-        } else {  // columns [4c, 4c + 4) lie in one candidate block (cbs >= 8): its first nv columns are valid
+        } else {  // columns [4c, 4c + 4) lie in one candidate block (cbs >= 8, checked by tsi_sparse_topk): nv of
+                  // them are valid
           const int nv = src.tv[(4 * c) >> src.lcbs] - ((4 * c) & (src.cbs - 1));
           const uint32_t key[4] = {nv > 0 ? f32_key(v.x) : 0u, nv > 1 ? f32_key(v.y) : 0u,
                                    nv > 2 ? f32_key(v.z) : 0u, nv > 3 ? f32_key(v.w) : 0u};

@@ -19,8 +19,8 @@ from .. import backends, formats
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _TOK = 64  # query-head rows per program (quantize)
 # (tokens per program, warps) of the cache write per format: MXFP4 32 tokens, 4 warps (187 vs 198 us at 64 tokens;
-# 128 slower); FP8 16 tokens, one warp (1M random slots on the H200: 121.1-121.4 vs 122.7-123.5 us at 32 tokens,
-# 4 warps, in three runs: 0.80 vs 0.79 of copy bandwidth; NOTES.md, session 7)
+# 128 slower); FP8 16 tokens, one warp (1M random slots on the H200: 121.0-121.4 vs 122.7-123.5 us at 32 tokens,
+# 4 warps, in four runs: 0.80 vs 0.79 of copy bandwidth; NOTES.md, session 7)
 _WRITE_LAUNCH = {"fp8": (16, 1), "mxfp4": (32, 4)}
 _GTOK = 128  # rows per program (gather)
 
