@@ -1006,22 +1006,18 @@ __device__ void final_global(Smem& sm, int& par, const Src& src, const Thresh& t
   });
 }
 
-// cp.async (SM80+): 16 bytes from global to shared memory without passing through registers; commit groups and
-// their waits are per thread. The emulator copies at once.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+// cp.async (SM80+): N = 16 or 4 bytes from global to shared memory without passing through registers (16-byte
+// copies skip L1: .cg; smaller ones must use .ca); commit groups and their waits are per thread. The emulator
+// copies at once.
+template <int N>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
+  static_assert(N == 16 || N == 4, "cp.async sizes used here");
 #ifdef TSI_EMULATE
-  memcpy(smem, gmem, 16);
+  memcpy(smem, gmem, N);
 #else
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-#endif
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-#ifdef TSI_EMULATE
-  memcpy(smem, gmem, 4);
-#else
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+  if constexpr (N == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+  else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {
@@ -1053,7 +1049,7 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   static_assert(NU % G == 0 && G >= 1 && G <= 4, "commit groups");
   const int m = src.m, nfull = m >> 2, tid = (int)threadIdx.x;
   if constexpr (Src::KIND == SPARSE) {
-    for (int b = tid; b < src.nb; b += THREADS) cp_async4(src.tv + b, src.blk + b);
+    for (int b = tid; b < src.nb; b += THREADS) cp_async<4>(src.tv + b, src.blk + b);
     cp_async_commit();
   }
 #pragma unroll
@@ -1061,7 +1057,7 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
       const int c = (g * PER + j) * THREADS + tid;
-      if (c < nfull) cp_async16(K + 4 * kgroup(c), src.ch.abase + (long long)c * 16);
+      if (c < nfull) cp_async<16>(K + 4 * kgroup(c), src.ch.abase + (long long)c * 16);
     }
     cp_async_commit();
   }
