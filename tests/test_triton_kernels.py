@@ -406,6 +406,43 @@ def test_write_k_cache_mxfp4_rounding_ties():
     assert torch.equal(got.cpu(), want), f"{int((got.cpu() != want).sum())} bytes differ"
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_mxfp4_bf16_pair_encoder_every_value(D, gen):
+    """The bf16-pair MXFP4 encoder (write_k_cache and quantize_q on bf16 input) on every finite bf16 magnitude
+    from 0 to 6, both signs, in groups scaled by 2^s (s = -14 .. 119; s = 119 is the largest scale it takes) with
+    each group's amax pinned to 6 * 2^s; plus rows it hands to the fp32 encoder (amax above 6 * 2^119, +-inf)
+    placed among ordinary rows, and random rows. Bytes equal to the reference's compare-based encoder."""
+    mags = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    mags = mags[mags <= 6.0]
+    vals = torch.cat([mags, -mags])
+    groups = -(-vals.numel() // 31)
+    groups = -(-groups // (D // 32)) * (D // 32)
+    v = torch.zeros(groups * 31)
+    v[: vals.numel()] = vals
+    v = torch.cat([v.view(groups, 31), torch.full((groups, 1), 6.0)], 1)
+    rows = [(v * 2.0 ** s).view(-1, D) for s in (-14, -3, 0, 7, 100, 119)]
+    odd = torch.randn(40, D, generator=gen)
+    odd[3, 5] = 2.0 ** 124  # amax over 6 * 2^119: the fp32 encoder
+    odd[17, D - 1] = float("inf")
+    odd[29, 0] = float("-inf")
+    rows += [odd, torch.randn(100, D, generator=gen) * 3]
+    x = torch.cat(rows).to(torch.bfloat16)
+    T = x.shape[0]
+    bs = 64
+    nb = -(-T // bs)
+    slot = torch.randperm(nb * bs, generator=gen)[:T]
+    want = torch.zeros(nb, bs, formats.bytes_per_token("mxfp4", D), dtype=torch.uint8)
+    reference.write_k_cache(x, slot, want, "mxfp4", True)
+    got = torch.zeros_like(want).to(DEV)
+    with backends.use_backend("triton"):
+        ops.write_k_cache(x.to(DEV), slot.to(DEV), got, "mxfp4", True)
+    assert torch.equal(got.cpu(), want), f"{int((got.cpu() != want).sum())} bytes differ"
+    q = x[: T // 4 * 4].view(-1, 4, D)
+    qv, qs, _ = tc.quantize_q(q.to(DEV), torch.ones(q.shape[:2], device=DEV), "mxfp4", 1.0)
+    rv, rs = formats.quantize_mxfp4_rows(q)
+    assert torch.equal(qv.cpu(), rv) and torch.equal(qs.cpu(), rs)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("kdtype", [torch.bfloat16, torch.float32, torch.float16])

@@ -17,6 +17,8 @@ import triton.language as tl
 from .. import backends, formats
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The bf16-pair MXFP4 encoder in PTX (add.rn.bf16x2, max.u16x2: SM90+); the interpreter runs its plain-Triton form.
+_USE_ASM = not _INTERPRET and os.environ.get("TSI_TRITON_NO_ASM", "0") != "1"
 _TOK = 64  # query-head rows per program (quantize)
 # (tokens per program, warps) of the cache write per format: MXFP4 32 tokens, 4 warps (187 vs 198 us at 64 tokens;
 # 128 slower); FP8 16 tokens, one warp (1M random slots on the H200: 121.0-121.4 vs 122.7-123.5 us at 32 tokens,
@@ -38,6 +40,12 @@ def _write_config(fmt: str):
     tok, warps = _WRITE_LAUNCH[fmt]
     cfg = tuple(CONFIG_OVERRIDES.get("write", (tok, _INTERPRET, warps, True)))
     return cfg + (4, False)[len(cfg) - 2:]
+
+
+def _pairs(fmt: str, x) -> bool:
+    """Whether the MXFP4 encoder runs on bf16 pairs (needs a contiguous bf16 input: it loads int32 words)."""
+    return (fmt == "mxfp4" and x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 4 == 0
+            and CONFIG_OVERRIDES.get("pairs", True))
 
 
 def _gather_config(R: int):
@@ -99,6 +107,82 @@ def _e2m1_codes(x):
     return c | sign
 
 
+def _pair_asm() -> str:
+    """PTX for :func:`_e2m1_pair_bytes`: four words in (``$1..$4``, exponent words ``$5..$8``), one register of
+    four packed bytes out (``$0``). Per word: the rounding magic ``2^(max(exp|x|, e) + 6)`` per bf16 half
+    (``max.u16x2``), one ``add.rn.bf16x2`` rounds both halves to their e2m1 grid step (ulp of the magic = the step:
+    sf/2 below 2 sf, sf below 4 sf, 2 sf above), the code is the ulp count plus the range's base, the sign goes in
+    where the code is nonzero (-0 -> +0), and the high half's code moves to bits 4-7."""
+    body = []
+    for i in range(4):
+        w, e = f"${1 + i}", f"${5 + i}"
+        body.append(
+            f"and.b32 a, {w}, 0x7FFF7FFF; and.b32 m, a, 0x7F807F80; max.u16x2 m, m, {e}; sub.u32 d, m, {e}; "
+            f"add.u32 m, m, 0x03000300; add.rn.bf16x2 t, a, m; sub.u32 c, t, m; shr.u32 d, d, 6; add.u32 c, c, d; "
+            f"add.u32 z, c, 0x00070007; shr.u32 s, {w}, 12; and.b32 s, s, z; and.b32 s, s, 0x00080008; "
+            f"or.b32 c, c, s; shr.u32 s, c, 12; or.b32 b{i}, c, s;")
+    body.append("prmt.b32 b0, b0, b1, 0x0040; prmt.b32 b2, b2, b3, 0x0040; prmt.b32 $0, b0, b2, 0x5410;")
+    return "{ .reg .b32 a, m, d, t, c, z, s, b0, b1, b2, b3; " + " ".join(body) + " }"
+
+
+_PAIR_ASM = tl.constexpr(_pair_asm())
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 -> the bf16 bit pattern (int32, low 16 bits) rounded to nearest even (finite inputs)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+@triton.jit
+def _e2m1_half(h, sgn, e7):
+    """Plain-Triton form of one bf16 half of :data:`_PAIR_ASM` (the interpreter's path): ``h`` the magnitude bits,
+    ``sgn`` the sign bit (0/1), ``e7`` the group's biased scale exponent << 7 -> e2m1 code 0..15."""
+    m = tl.maximum(h & 0x7F80, e7)
+    magic = m + 0x300
+    # |x| < magic / 32: the fp32 sum is exact or below half a bf16 ulp, so one rounding to bf16 is the hardware's
+    t = _bf16_rne((h << 16).to(tl.float32, bitcast=True) + (magic << 16).to(tl.float32, bitcast=True))
+    c = t - magic + ((m - e7) >> 6)
+    return c | ((sgn & (c != 0).to(tl.int32)) << 3)
+
+
+@triton.jit
+def _e2m1_pair_bytes(w, ew, USE_ASM: tl.constexpr):
+    """``w`` int32 words of two bf16 elements (2i low half, 2i+1 high half), ``ew`` the group's biased scale
+    exponent in both halves (``e << 7 | e << 23``) -> uint8 ``code(2i) | code(2i + 1) << 4`` (ties to even,
+    -0 -> +0), exactly :func:`formats.e2m1_encode` of ``x * 2^(127 - e)`` for finite groups with ``e <= 246``.
+    About 8 instructions per element where the fp32 encoder takes ~30 (the MXFP4 write is ALU-bound)."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(_PAIR_ASM, "=r,r,r,r,r,r,r,r,r", [w, ew], dtype=tl.uint8, is_pure=True,
+                                         pack=4)
+    else:
+        e7 = ew & 0xFFFF
+        lo = _e2m1_half(w & 0x7FFF, (w >> 15) & 1, e7)
+        hi = _e2m1_half((w >> 16) & 0x7FFF, (w >> 31) & 1, e7)
+        return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _quant_mxfp4_bf16(w, ROWS: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
+    """``w [ROWS, G, 16]`` int32 words of bf16 pairs -> (``[ROWS, G, 16]`` uint8 values, ``[ROWS]`` int32 scale
+    word, ``ok``): the recipe of :func:`_quant_rows` with the amax taken on the bf16 bits and the encoding on
+    pairs. ``ok`` is False when a group holds inf/NaN or needs ``e > 246`` (amax > 6 * 2^119: the magic would
+    overflow bf16); the caller then takes the fp32 path."""
+    a = w & 0x7FFF7FFF
+    abits = tl.max(tl.maximum(a & 0xFFFF, a >> 16), axis=2)
+    amax = tl.maximum((abits << 16).to(tl.float32, bitcast=True), 1e-4)
+    sf, e = _pow2_ceil(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
+    ok = (tl.max(tl.max(abits, axis=1), axis=0) < 0x7F80) & (tl.max(tl.max(e, axis=1), axis=0) <= 246)
+    ew = (e << 7) | (e << 23)
+    vals = _e2m1_pair_bytes(w, tl.broadcast_to(ew[:, :, None], w.shape), USE_ASM)
+    gi = tl.arange(0, G)
+    word = tl.sum(e << (8 * gi[None, :]), axis=1)
+    if G == 2:
+        word = word | (127 << 16) | (127 << 24)
+    return vals, word, ok
+
+
 @triton.jit
 def _quant_rows(x, ROWS: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr,
                 SOFT_FP8: tl.constexpr):
@@ -134,7 +218,9 @@ def _quant_rows(x, ROWS: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, POW2:
             do_not_specialize_on_alignment=["slot_ptr"])
 def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, LBS, PAGE_STRIDE,
                   D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr, TOK: tl.constexpr,
-                  SOFT_FP8: tl.constexpr, HINTS: tl.constexpr):
+                  SOFT_FP8: tl.constexpr, HINTS: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr):
+    """``PAIRS`` (MXFP4, bf16 ``k``): the encoder on bf16 pairs (:func:`_quant_mxfp4_bf16`), the fp32 one for a
+    program whose groups it cannot take."""
     VB: tl.constexpr = D // 2 if FP4 else D
     # HINTS: the K rows and value bytes stream through L2 once (evict first); the 4-byte scale words, one per
     # token at its page's end, stay (evict last) so that neighbouring slots' words written by other programs
@@ -143,9 +229,6 @@ def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, LBS, PAGE_STRIDE,
     EV_SCALE: tl.constexpr = "evict_last" if HINTS else ""
     t = tl.program_id(0) * TOK + tl.arange(0, TOK)
     tm = t < T
-    d = tl.arange(0, D)
-    x = tl.load(k_ptr + t.to(tl.int64)[:, None] * D + d[None, :], mask=tm[:, None], other=0.0,
-                eviction_policy=EV_STREAM).to(tl.float32)
     slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
     keep = tm & (slot >= 0) & (slot < NSLOT)
     slot = tl.where(keep, slot, 0)
@@ -154,13 +237,37 @@ def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, LBS, PAGE_STRIDE,
     BS = 1 << LBS
     page = slot >> LBS
     off = slot & (BS - 1)
-    vals, sc = _quant_rows(x, TOK, D, FP4, POW2, SOFT_FP8)
-    vb = tl.arange(0, VB)
     # Offsets built as multiples of 16 (page stride % 16 == 0 is checked on the host) so the stores are
     # 16-byte vectors; a multiple_of hint on the runtime stride does not carry through the product.
     row = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
-    tl.store(kv_ptr + row[:, None] + vb[None, :], vals, mask=keep[:, None], eviction_policy=EV_STREAM)
     sidx = (page * (PAGE_STRIDE // 4) + BS * (VB // 4)) + off
+    if PAIRS:
+        G: tl.constexpr = D // 32
+        gv = tl.arange(0, G)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+        w = tl.load(k_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64)[:, None, None] * VB + gv,
+                    mask=tm[:, None, None], other=0, eviction_policy=EV_STREAM)
+        vals, sc, ok = _quant_mxfp4_bf16(w, TOK, G, USE_ASM)
+        # Each branch stores its own results: values merged across the branches would be converted to one layout.
+        if ok:
+            tl.store(kv_ptr + row[:, None, None] + gv, vals, mask=keep[:, None, None], eviction_policy=EV_STREAM)
+            tl.store(kv_ptr.to(tl.pointer_type(tl.int32)) + sidx, sc, mask=keep, eviction_policy=EV_SCALE)
+        else:
+            _write_rows_fp32(k_ptr, kv_ptr, t, tm, keep, row, sidx, D, FP4, POW2, TOK, SOFT_FP8, EV_STREAM, EV_SCALE)
+    else:
+        _write_rows_fp32(k_ptr, kv_ptr, t, tm, keep, row, sidx, D, FP4, POW2, TOK, SOFT_FP8, EV_STREAM, EV_SCALE)
+
+
+@triton.jit
+def _write_rows_fp32(k_ptr, kv_ptr, t, tm, keep, row, sidx, D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr,
+                     TOK: tl.constexpr, SOFT_FP8: tl.constexpr, EV_STREAM: tl.constexpr, EV_SCALE: tl.constexpr):
+    """Quantize ``TOK`` rows of ``k`` in fp32 and store values and scale words (:func:`_quant_rows`)."""
+    VB: tl.constexpr = D // 2 if FP4 else D
+    d = tl.arange(0, D)
+    x = tl.load(k_ptr + t.to(tl.int64)[:, None] * D + d[None, :], mask=tm[:, None], other=0.0,
+                eviction_policy=EV_STREAM).to(tl.float32)
+    vals, sc = _quant_rows(x, TOK, D, FP4, POW2, SOFT_FP8)
+    vb = tl.arange(0, VB)
+    tl.store(kv_ptr + row[:, None] + vb[None, :], vals, mask=keep[:, None], eviction_policy=EV_STREAM)
     if FP4:
         tl.store(kv_ptr.to(tl.pointer_type(tl.int32)) + sidx, sc, mask=keep, eviction_policy=EV_SCALE)
     else:
@@ -218,19 +325,40 @@ def _gather_kernel(kv_ptr, bt_ptr, cu_ptr, k_ptr, ksc_ptr, NOUT, R, NREQ, MB, BT
     tl.store(ksc_ptr + t, sc, mask=inside)
 
 
-@triton.jit(do_not_specialize=["M", "H", "W_STRIDE", "WS"],
-            do_not_specialize_on_alignment=["w_ptr", "wo_ptr", "qs_ptr"])
-def _quantize_q_kernel(q_ptr, w_ptr, qv_ptr, qs_ptr, wo_ptr, M, H, W_STRIDE, WS,
-                       D: tl.constexpr, FP4: tl.constexpr, TOK: tl.constexpr, SOFT_FP8: tl.constexpr):
-    """Rows are (token, head) pairs ``m = t * H + h`` of ``q [T, H, D]``."""
+@triton.jit
+def _quantize_rows_fp32(q_ptr, qv_ptr, m, mm, D: tl.constexpr, FP4: tl.constexpr, TOK: tl.constexpr,
+                        SOFT_FP8: tl.constexpr):
+    """Quantize rows ``m`` of ``q`` in fp32, store their values and return their scales (:func:`_quant_rows`)."""
     VB: tl.constexpr = D // 2 if FP4 else D
-    m = tl.program_id(0) * TOK + tl.arange(0, TOK)
-    mm = m < M
     d = tl.arange(0, D)
     x = tl.load(q_ptr + m.to(tl.int64)[:, None] * D + d[None, :], mask=mm[:, None], other=0.0).to(tl.float32)
     vals, sc = _quant_rows(x, TOK, D, FP4, True, SOFT_FP8)
     vb = tl.arange(0, VB)
     tl.store(qv_ptr + m.to(tl.int64)[:, None] * VB + vb[None, :], vals, mask=mm[:, None])
+    return sc
+
+
+@triton.jit(do_not_specialize=["M", "H", "W_STRIDE", "WS"],
+            do_not_specialize_on_alignment=["w_ptr", "wo_ptr", "qs_ptr"])
+def _quantize_q_kernel(q_ptr, w_ptr, qv_ptr, qs_ptr, wo_ptr, M, H, W_STRIDE, WS,
+                       D: tl.constexpr, FP4: tl.constexpr, TOK: tl.constexpr, SOFT_FP8: tl.constexpr,
+                       PAIRS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Rows are (token, head) pairs ``m = t * H + h`` of ``q [T, H, D]``; ``PAIRS`` as in the cache write."""
+    VB: tl.constexpr = D // 2 if FP4 else D
+    m = tl.program_id(0) * TOK + tl.arange(0, TOK)
+    mm = m < M
+    if PAIRS:
+        G: tl.constexpr = D // 32
+        gv = tl.arange(0, G)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+        wq = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + m.to(tl.int64)[:, None, None] * VB + gv,
+                     mask=mm[:, None, None], other=0)
+        vals, sc, ok = _quant_mxfp4_bf16(wq, TOK, G, USE_ASM)
+        if ok:
+            tl.store(qv_ptr + m.to(tl.int64)[:, None, None] * VB + gv, vals, mask=mm[:, None, None])
+        else:
+            sc = _quantize_rows_fp32(q_ptr, qv_ptr, m, mm, D, FP4, TOK, SOFT_FP8)
+    else:
+        sc = _quantize_rows_fp32(q_ptr, qv_ptr, m, mm, D, FP4, TOK, SOFT_FP8)
     tt = m // H
     hh = m % H
     w = tl.load(w_ptr + tt.to(tl.int64) * W_STRIDE + hh, mask=mm, other=0.0).to(tl.float32)
@@ -259,7 +387,8 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     tok, soft, warps, hints = _write_config(fmt)
     _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, formats.log2_block_size(bs), stride,
                                           D=D, FP4=fmt == "mxfp4", POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft,
-                                          HINTS=bool(hints), num_warps=warps)
+                                          HINTS=bool(hints), PAIRS=_pairs(fmt, k), USE_ASM=_USE_ASM,
+                                          num_warps=warps)
 
 
 def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
@@ -287,7 +416,8 @@ def quantize_q(q, weights, fmt, weight_scale):
         w = weights if weights.stride(-1) == 1 or weights.shape[-1] <= 1 else weights.contiguous()
         _quantize_q_kernel[(triton.cdiv(M, _TOK),)](qc, w, qv, qs if fp4 else wo, wo, M, H,
                                                     w.stride(0) if w.dim() == 2 else H, float(weight_scale),
-                                                    D=D, FP4=fp4, TOK=_TOK, SOFT_FP8=_INTERPRET, num_warps=4)
+                                                    D=D, FP4=fp4, TOK=_TOK, SOFT_FP8=_INTERPRET,
+                                                    PAIRS=_pairs(fmt, qc), USE_ASM=_USE_ASM, num_warps=4)
     if not fp4:
         qv = qv.view(formats.FP8_DTYPE)
     return qv, qs, wo
