@@ -20,10 +20,11 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The bf16-pair MXFP4 encoder in PTX (add.rn.bf16x2, max.u16x2: SM90+); the interpreter runs its plain-Triton form.
 _USE_ASM = not _INTERPRET and os.environ.get("TSI_TRITON_NO_ASM", "0") != "1"
 _TOK = 64  # query-head rows per program (quantize)
-# (tokens per program, warps) of the cache write per format: MXFP4 32 tokens, 4 warps (187 vs 198 us at 64 tokens;
-# 128 slower); FP8 16 tokens, one warp (1M random slots on the H200: 121.0-121.4 vs 122.7-123.5 us at 32 tokens,
-# 4 warps, in four runs: 0.80 vs 0.79 of copy bandwidth; NOTES.md, session 7)
-_WRITE_LAUNCH = {"fp8": (16, 1), "mxfp4": (32, 4)}
+# (tokens per program, warps) of the cache write per format: FP8 16 tokens, one warp (1M random slots on the H200:
+# 121.0-121.4 vs 122.7-123.5 us at 32 tokens, 4 warps, in four runs: 0.80 vs 0.79 of copy bandwidth; NOTES.md,
+# session 7); MXFP4 (bf16-pair encoder) the same: 121.2 vs 151.5 us at 32 tokens on 4 warps, whose layout splits a
+# token's groups across warps and so reduces its scale word through shared memory (run 42).
+_WRITE_LAUNCH = {"fp8": (16, 1), "mxfp4": (16, 1)}
 _GTOK = 128  # rows per program (gather)
 
 # Benchmarks may override launches: {"write": see _write_config, "gather": see _gather_config}. The defaults
@@ -32,14 +33,15 @@ CONFIG_OVERRIDES: dict = {}
 
 
 def _write_config(fmt: str):
-    """(tokens per program, integer e4m3 rounding, warps, L2 hints); an override (both formats) may leave out the
-    last two (4 warps, no hints). The default keeps the scale words in L2 (FP8, 1M random slots on the H200: 130 ->
+    """(tokens per tile, integer e4m3 rounding, warps, L2 hints, tiles per program); an override (both formats)
+    may leave out the last three (4 warps, no hints, one tile). With several tiles a program loads the next tile's
+    rows before it encodes the current one. The default keeps the scale words in L2 (FP8, 1M random slots on the H200: 130 ->
     124 us) with the per-format launch of _WRITE_LAUNCH. On the GPU the e4m3 bytes come from triton's fp8 cast (the
     hardware's round-to-nearest-even conversion: 206 -> 129 us for 1M tokens, bytes equal to the reference's
     there; quantize_q uses it too); the integer rounding serves the interpreter, whose cast does not round."""
     tok, warps = _WRITE_LAUNCH[fmt]
     cfg = tuple(CONFIG_OVERRIDES.get("write", (tok, _INTERPRET, warps, True)))
-    return cfg + (4, False)[len(cfg) - 2:]
+    return cfg + (4, False, 1)[len(cfg) - 2:]
 
 
 def _pairs(fmt: str, x) -> bool:
@@ -108,21 +110,24 @@ def _e2m1_codes(x):
 
 
 def _pair_asm() -> str:
-    """PTX for :func:`_e2m1_pair_bytes`: four words in (``$1..$4``, exponent words ``$5..$8``), one register of
-    four packed bytes out (``$0``). Per word: the rounding magic ``2^(max(exp|x|, e) + 6)`` per bf16 half
-    (``max.u16x2``), one ``add.rn.bf16x2`` rounds both halves to their e2m1 grid step (ulp of the magic = the step:
-    sf/2 below 2 sf, sf below 4 sf, 2 sf above), the code is the ulp count plus the range's base, the sign goes in
-    where the code is nonzero (-0 -> +0), and the high half's code moves to bits 4-7."""
+    """PTX for :func:`_e2m1_pair_bytes`: four words ``$1..$4`` (two bf16 each), their magnitudes ``$5..$8``, the
+    group words ``$9..$12`` (``e << 7`` per half) and ``$13..$16`` (``12 + 2e`` per half); one register of four
+    packed bytes out (``$0``). Per word: the rounding magic ``2^(max(exp|x|, e) + 6)`` per bf16 half
+    (``max.u16x2``), one ``add.rn.bf16x2`` rounds both halves to their e2m1 grid step (the magic's ulp is the
+    step: sf/2 below 2 sf, sf below 4 sf, 2 sf above), the code is the ulp count plus the range's base
+    (``(magic >> 6) - 12 - 2e``), the sign goes in where the code is nonzero (-0 -> +0); two words' codes then
+    share a register (bytes: lo0, lo1, hi0, hi1) and one shift folds the high halves into bits 4-7 of each byte."""
     body = []
     for i in range(4):
-        w, e = f"${1 + i}", f"${5 + i}"
+        w, a, e, k = (f"${1 + i}", f"${5 + i}", f"${9 + i}", f"${13 + i}")
         body.append(
-            f"and.b32 a, {w}, 0x7FFF7FFF; and.b32 m, a, 0x7F807F80; max.u16x2 m, m, {e}; sub.u32 d, m, {e}; "
-            f"add.u32 m, m, 0x03000300; add.rn.bf16x2 t, a, m; sub.u32 c, t, m; shr.u32 d, d, 6; add.u32 c, c, d; "
-            f"add.u32 z, c, 0x00070007; shr.u32 s, {w}, 12; and.b32 s, s, z; and.b32 s, s, 0x00080008; "
-            f"or.b32 c, c, s; shr.u32 s, c, 12; or.b32 b{i}, c, s;")
-    body.append("prmt.b32 b0, b0, b1, 0x0040; prmt.b32 b2, b2, b3, 0x0040; prmt.b32 $0, b0, b2, 0x5410;")
-    return "{ .reg .b32 a, m, d, t, c, z, s, b0, b1, b2, b3; " + " ".join(body) + " }"
+            f"and.b32 m, {a}, 0x7F807F80; max.u16x2 m, m, {e}; add.u32 m, m, 0x03000300; add.rn.bf16x2 t, {a}, m; "
+            f"shr.u32 d, m, 6; sub.u32 c, t, m; add.u32 c, c, d; sub.u32 c, c, {k}; add.u32 z, c, 0x00070007; "
+            f"shr.u32 s, {w}, 12; and.b32 s, s, z; and.b32 s, s, 0x00080008; or.b32 c{i}, c, s;")
+    body.append("shl.b32 c1, c1, 8; or.b32 c0, c0, c1; shr.u32 s, c0, 12; or.b32 c0, c0, s; "
+                "shl.b32 c3, c3, 8; or.b32 c2, c2, c3; shr.u32 s, c2, 12; or.b32 c2, c2, s; "
+                "prmt.b32 $0, c0, c2, 0x5410;")
+    return "{ .reg .b32 m, t, d, c, z, s, c0, c1, c2, c3; " + " ".join(body) + " }"
 
 
 _PAIR_ASM = tl.constexpr(_pair_asm())
@@ -148,34 +153,45 @@ def _e2m1_half(h, sgn, e7):
 
 
 @triton.jit
-def _e2m1_pair_bytes(w, ew, USE_ASM: tl.constexpr):
-    """``w`` int32 words of two bf16 elements (2i low half, 2i+1 high half), ``ew`` the group's biased scale
-    exponent in both halves (``e << 7 | e << 23``) -> uint8 ``code(2i) | code(2i + 1) << 4`` (ties to even,
-    -0 -> +0), exactly :func:`formats.e2m1_encode` of ``x * 2^(127 - e)`` for finite groups with ``e <= 246``.
-    About 8 instructions per element where the fp32 encoder takes ~30 (the MXFP4 write is ALU-bound)."""
+def _e2m1_pair_bytes(w, a, e, USE_ASM: tl.constexpr):
+    """``w`` int32 words of two bf16 elements (2i low half, 2i+1 high half), ``a = w & 0x7FFF7FFF``, ``e`` the
+    group's biased scale exponent (broadcast to ``w``'s shape) -> uint8 ``code(2i) | code(2i + 1) << 4`` (ties to
+    even, -0 -> +0): exactly :func:`formats.e2m1_encode` of ``x * 2^(127 - e)`` for finite groups with
+    ``e <= 246``. About 16 instructions per word where the fp32 encoder takes ~60 (MXFP4 writes are ALU-bound)."""
     if USE_ASM:
-        return tl.inline_asm_elementwise(_PAIR_ASM, "=r,r,r,r,r,r,r,r,r", [w, ew], dtype=tl.uint8, is_pure=True,
+        ew = (e << 7) | (e << 23)
+        k = (12 + 2 * e) * 0x10001
+        return tl.inline_asm_elementwise(_PAIR_ASM, "=r" + ",r" * 16, [w, a, ew, k], dtype=tl.uint8, is_pure=True,
                                          pack=4)
     else:
-        e7 = ew & 0xFFFF
-        lo = _e2m1_half(w & 0x7FFF, (w >> 15) & 1, e7)
-        hi = _e2m1_half((w >> 16) & 0x7FFF, (w >> 31) & 1, e7)
+        lo = _e2m1_half(a & 0xFFFF, (w >> 15) & 1, e << 7)
+        hi = _e2m1_half(a >> 16, (w >> 31) & 1, e << 7)
         return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _max_u16x2(x, y):
+    """Per-half unsigned maximum of two words (one instruction: the amax of bf16 magnitudes two at a time)."""
+    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [x, y], dtype=tl.int32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
 def _quant_mxfp4_bf16(w, ROWS: tl.constexpr, G: tl.constexpr, USE_ASM: tl.constexpr):
     """``w [ROWS, G, 16]`` int32 words of bf16 pairs -> (``[ROWS, G, 16]`` uint8 values, ``[ROWS]`` int32 scale
-    word, ``ok``): the recipe of :func:`_quant_rows` with the amax taken on the bf16 bits and the encoding on
-    pairs. ``ok`` is False when a group holds inf/NaN or needs ``e > 246`` (amax > 6 * 2^119: the magic would
-    overflow bf16); the caller then takes the fp32 path."""
+    word, ``ok``): the recipe of :func:`_quant_rows` with the amax taken on the bf16 bits (per-half unsigned
+    maxima) and the encoding on pairs. ``ok`` is False when a group holds inf/NaN or needs ``e > 246`` (amax >
+    6 * 2^119: the magic would overflow bf16); the caller then takes the fp32 path."""
     a = w & 0x7FFF7FFF
-    abits = tl.max(tl.maximum(a & 0xFFFF, a >> 16), axis=2)
+    if USE_ASM:
+        am = tl.reduce(a, 2, _max_u16x2)
+        abits = tl.maximum(am & 0xFFFF, am >> 16)
+    else:  # the same maxima; the interpreter runs a custom reduction ~20x slower
+        abits = tl.max(tl.maximum(a & 0xFFFF, a >> 16), axis=2)
     amax = tl.maximum((abits << 16).to(tl.float32, bitcast=True), 1e-4)
     sf, e = _pow2_ceil(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
     ok = (tl.max(tl.max(abits, axis=1), axis=0) < 0x7F80) & (tl.max(tl.max(e, axis=1), axis=0) <= 246)
-    ew = (e << 7) | (e << 23)
-    vals = _e2m1_pair_bytes(w, tl.broadcast_to(ew[:, :, None], w.shape), USE_ASM)
+    vals = _e2m1_pair_bytes(w, a, tl.broadcast_to(e[:, :, None], w.shape), USE_ASM)
     gi = tl.arange(0, G)
     word = tl.sum(e << (8 * gi[None, :]), axis=1)
     if G == 2:
@@ -214,22 +230,34 @@ def _quant_rows(x, ROWS: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, POW2:
         return vals, s
 
 
-@triton.jit(do_not_specialize=["T", "NSLOT", "LBS", "PAGE_STRIDE"],
-            do_not_specialize_on_alignment=["slot_ptr"])
-def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, LBS, PAGE_STRIDE,
-                  D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr, TOK: tl.constexpr,
-                  SOFT_FP8: tl.constexpr, HINTS: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr):
-    """``PAIRS`` (MXFP4, bf16 ``k``): the encoder on bf16 pairs (:func:`_quant_mxfp4_bf16`), the fp32 one for a
-    program whose groups it cannot take."""
-    VB: tl.constexpr = D // 2 if FP4 else D
-    # HINTS: the K rows and value bytes stream through L2 once (evict first); the 4-byte scale words, one per
-    # token at its page's end, stay (evict last) so that neighbouring slots' words written by other programs
-    # merge into whole sectors in L2 instead of each leaving as a partial-sector write.
-    EV_STREAM: tl.constexpr = "evict_first" if HINTS else ""
-    EV_SCALE: tl.constexpr = "evict_last" if HINTS else ""
-    t = tl.program_id(0) * TOK + tl.arange(0, TOK)
+@triton.jit
+def _load_rows(k_ptr, t, tm, D: tl.constexpr, PAIRS: tl.constexpr, EV_STREAM: tl.constexpr):
+    """Rows ``t`` of ``k``: int32 words ``[TOK, D/32, 16]`` for the pair encoder, else fp32 ``[TOK, D]``."""
+    if PAIRS:
+        gv = tl.arange(0, D // 32)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+        return tl.load(k_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64)[:, None, None] * (D // 2) + gv,
+                       mask=tm[:, None, None], other=0, eviction_policy=EV_STREAM)
+    else:
+        d = tl.arange(0, D)
+        return tl.load(k_ptr + t.to(tl.int64)[:, None] * D + d[None, :], mask=tm[:, None], other=0.0,
+                       eviction_policy=EV_STREAM).to(tl.float32)
+
+
+@triton.jit
+def _write_load(k_ptr, slot_ptr, t, T, D: tl.constexpr, PAIRS: tl.constexpr, EV_STREAM: tl.constexpr):
+    """(:func:`_load_rows` of tokens ``t``, their slots: -1 past ``T``)."""
     tm = t < T
     slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
+    return _load_rows(k_ptr, t, tm, D, PAIRS, EV_STREAM), slot
+
+
+@triton.jit
+def _write_tile(k_ptr, kv_ptr, rows, slot, t, T, NSLOT, LBS, PAGE_STRIDE, D: tl.constexpr, FP4: tl.constexpr,
+                POW2: tl.constexpr, TOK: tl.constexpr, SOFT_FP8: tl.constexpr, PAIRS: tl.constexpr,
+                USE_ASM: tl.constexpr, EV_STREAM: tl.constexpr, EV_SCALE: tl.constexpr):
+    """Quantize the loaded ``rows`` of tokens ``t`` and store values and scale words at their slots."""
+    VB: tl.constexpr = D // 2 if FP4 else D
+    tm = t < T
     keep = tm & (slot >= 0) & (slot < NSLOT)
     slot = tl.where(keep, slot, 0)
     # block sizes are powers of two (validated by the ops): a 64-bit division by a runtime int is a ~40-instruction
@@ -244,27 +272,66 @@ def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, LBS, PAGE_STRIDE,
     if PAIRS:
         G: tl.constexpr = D // 32
         gv = tl.arange(0, G)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-        w = tl.load(k_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64)[:, None, None] * VB + gv,
-                    mask=tm[:, None, None], other=0, eviction_policy=EV_STREAM)
-        vals, sc, ok = _quant_mxfp4_bf16(w, TOK, G, USE_ASM)
+        vals, sc, ok = _quant_mxfp4_bf16(rows, TOK, G, USE_ASM)
         # Each branch stores its own results: values merged across the branches would be converted to one layout.
         if ok:
             tl.store(kv_ptr + row[:, None, None] + gv, vals, mask=keep[:, None, None], eviction_policy=EV_STREAM)
             tl.store(kv_ptr.to(tl.pointer_type(tl.int32)) + sidx, sc, mask=keep, eviction_policy=EV_SCALE)
         else:
-            _write_rows_fp32(k_ptr, kv_ptr, t, tm, keep, row, sidx, D, FP4, POW2, TOK, SOFT_FP8, EV_STREAM, EV_SCALE)
+            _write_groups_fp32(k_ptr, kv_ptr, t, tm, keep, row, sidx, D, TOK, EV_STREAM, EV_SCALE)
     else:
-        _write_rows_fp32(k_ptr, kv_ptr, t, tm, keep, row, sidx, D, FP4, POW2, TOK, SOFT_FP8, EV_STREAM, EV_SCALE)
+        _write_rows_fp32(rows, kv_ptr, keep, row, sidx, D, FP4, POW2, TOK, SOFT_FP8, EV_STREAM, EV_SCALE)
+
+
+@triton.jit(do_not_specialize=["T", "NSLOT", "LBS", "PAGE_STRIDE"],
+            do_not_specialize_on_alignment=["slot_ptr"])
+def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, LBS, PAGE_STRIDE,
+                  D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr, TOK: tl.constexpr,
+                  SOFT_FP8: tl.constexpr, HINTS: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
+                  TILES: tl.constexpr):
+    """``TILES`` consecutive tiles of ``TOK`` tokens per program, each tile's rows loaded before the previous tile
+    is encoded. ``PAIRS`` (MXFP4, bf16 ``k``): the encoder on bf16 pairs (:func:`_quant_mxfp4_bf16`), the fp32 one
+    for a tile whose groups it cannot take."""
+    # HINTS: the K rows and value bytes stream through L2 once (evict first); the 4-byte scale words, one per
+    # token at its page's end, stay (evict last) so that neighbouring slots' words written by other programs
+    # merge into whole sectors in L2 instead of each leaving as a partial-sector write.
+    EV_STREAM: tl.constexpr = "evict_first" if HINTS else ""
+    EV_SCALE: tl.constexpr = "evict_last" if HINTS else ""
+    t = tl.program_id(0) * (TILES * TOK) + tl.arange(0, TOK)
+    rows, slot = _write_load(k_ptr, slot_ptr, t, T, D, PAIRS, EV_STREAM)
+    for _ in range(1, TILES):
+        rows_n, slot_n = _write_load(k_ptr, slot_ptr, t + TOK, T, D, PAIRS, EV_STREAM)
+        _write_tile(k_ptr, kv_ptr, rows, slot, t, T, NSLOT, LBS, PAGE_STRIDE, D, FP4, POW2, TOK, SOFT_FP8, PAIRS,
+                    USE_ASM, EV_STREAM, EV_SCALE)
+        rows, slot, t = rows_n, slot_n, t + TOK
+    _write_tile(k_ptr, kv_ptr, rows, slot, t, T, NSLOT, LBS, PAGE_STRIDE, D, FP4, POW2, TOK, SOFT_FP8, PAIRS,
+                USE_ASM, EV_STREAM, EV_SCALE)
 
 
 @triton.jit
-def _write_rows_fp32(k_ptr, kv_ptr, t, tm, keep, row, sidx, D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr,
+def _write_groups_fp32(k_ptr, kv_ptr, t, tm, keep, row, sidx, D: tl.constexpr, TOK: tl.constexpr,
+                       EV_STREAM: tl.constexpr, EV_SCALE: tl.constexpr):
+    """MXFP4 rows of ``k`` in fp32, one 32-element group at a time (the pair encoder's rare fallback: a loop over
+    groups keeps its registers, which every program reserves, to one group's)."""
+    word = tl.zeros((TOK,), tl.int32)
+    d = tl.arange(0, 32)
+    for g in tl.range(0, D // 32, loop_unroll_factor=1):
+        x = tl.load(k_ptr + t.to(tl.int64)[:, None] * D + g * 32 + d[None, :], mask=tm[:, None], other=0.0,
+                    eviction_policy=EV_STREAM).to(tl.float32)
+        vals, e = _quant_rows(x, TOK, 32, True, True, False)
+        tl.store(kv_ptr + row[:, None] + g * 16 + tl.arange(0, 16)[None, :], vals, mask=keep[:, None],
+                 eviction_policy=EV_STREAM)
+        word = word | (e << (8 * g))
+    if D == 64:
+        word = word | (127 << 16) | (127 << 24)
+    tl.store(kv_ptr.to(tl.pointer_type(tl.int32)) + sidx, word, mask=keep, eviction_policy=EV_SCALE)
+
+
+@triton.jit
+def _write_rows_fp32(x, kv_ptr, keep, row, sidx, D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr,
                      TOK: tl.constexpr, SOFT_FP8: tl.constexpr, EV_STREAM: tl.constexpr, EV_SCALE: tl.constexpr):
-    """Quantize ``TOK`` rows of ``k`` in fp32 and store values and scale words (:func:`_quant_rows`)."""
+    """Quantize fp32 rows ``x [TOK, D]`` and store values and scale words (:func:`_quant_rows`)."""
     VB: tl.constexpr = D // 2 if FP4 else D
-    d = tl.arange(0, D)
-    x = tl.load(k_ptr + t.to(tl.int64)[:, None] * D + d[None, :], mask=tm[:, None], other=0.0,
-                eviction_policy=EV_STREAM).to(tl.float32)
     vals, sc = _quant_rows(x, TOK, D, FP4, POW2, SOFT_FP8)
     vb = tl.arange(0, VB)
     tl.store(kv_ptr + row[:, None] + vb[None, :], vals, mask=keep[:, None], eviction_policy=EV_STREAM)
@@ -384,11 +451,11 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     T, D = k.shape
     if T == 0:
         return
-    tok, soft, warps, hints = _write_config(fmt)
-    _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, formats.log2_block_size(bs), stride,
-                                          D=D, FP4=fmt == "mxfp4", POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft,
-                                          HINTS=bool(hints), PAIRS=_pairs(fmt, k), USE_ASM=_USE_ASM,
-                                          num_warps=warps)
+    tok, soft, warps, hints, tiles = _write_config(fmt)
+    _write_kernel[(triton.cdiv(T, tok * tiles),)](k, slot_mapping, kv, T, nb * bs, formats.log2_block_size(bs),
+                                                  stride, D=D, FP4=fmt == "mxfp4", POW2=bool(pow2_scale), TOK=tok,
+                                                  SOFT_FP8=soft, HINTS=bool(hints), PAIRS=_pairs(fmt, k),
+                                                  USE_ASM=_USE_ASM, TILES=tiles, num_warps=warps)
 
 
 def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
