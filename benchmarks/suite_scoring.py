@@ -214,6 +214,15 @@ def bench_decode(rows, quick):
                  tflops=2 * B * nbk * CBS * H * D / t / 1e6,
                  target=f"<= {tgt} us" if ctx == 131072 and B == 128 else "",
                  meets=(t <= tgt) if ctx == 131072 and B == 128 else "", check=f"diff_vs_ref={chk:.2e}")
+            if ctx == 131072 and B == 128 and fmt == "mxfp4":
+                # every row with per-group scale multiplies (one launch): what the folded-query launch replaced
+                ts.CONFIG_OVERRIDES["qfold"] = False
+                try:
+                    tg = _t(fn)
+                finally:
+                    ts.CONFIG_OVERRIDES.pop("qfold")
+                _row(rows, op="paged_sparse_mqa_logits", impl="triton per-group scales", fmt=fmt, shape=shape, B=B,
+                     ctx=ctx, time_us=tg, floor_us=common.floor_us(kbytes), tbps=kbytes / tg / 1e6)
             if ctx == 131072 and B == 128 and fmt == "fp8":
                 try:  # context for the time above: a plain read of the same bytes in the same access pattern
                     rd, rbytes = read_same_bytes(cache, bt, cand)

@@ -316,6 +316,66 @@ def test_mxfp4_group_scales_far_apart(D, gen):
         _check(lambda out: ops.mqa_logits(qv, qs, k, ksc, wf, ks, ke, out), ref)
 
 
+def _pinned_groups(x, exps):
+    """Scale each 32-element group of ``x [..., D]`` so its amax is exactly ``6 * 2^exps[g]`` (MXFP4 scale 2^e)."""
+    g = x.unflatten(-1, (-1, 32)).clone()
+    g = g / g.abs().amax(-1, keepdim=True) * 5.0
+    g[..., 0] = 6.0
+    return (g * torch.tensor([2.0 ** e for e in exps])[:, None]).flatten(-2)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_mxfp4_query_scales_fold_or_not(D, dense, seed, gen):
+    """Decode rows whose query group scales fold into the operands (groups within 14 binades of the head's
+    largest, dead all-zero groups ignored: the fold launch) next to rows that need per-group multiplies (a head
+    spanning 15 or 52 binades: the other launch), in one call; every row is scored by exactly one launch. K's
+    group 1 is large where the queries' is small, so folding a 15-binade head (off by 2x there) fails this test."""
+    rng = random.Random(seed)
+    G = D // 32
+    H, bs = 16, 64
+    seq = [300, 129, 64]
+    # K's group 1 is 2^18 larger, so a tiny query group 1 dominates (an inexact fold of it would show)
+    kscale = torch.tensor([1.0, 2.0 ** 18, 1.0, 1.0][:G]).repeat_interleave(32)
+    case = testing.make_paged_cache(seq, bs, D, "mxfp4", device=DEV, gen=gen,
+                                    rows=lambda n: torch.randn(n, D, generator=gen) * kscale)
+    R = 9
+    reqs = torch.tensor([r % 3 for r in range(R)], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([seq[r % 3] for r in range(R)], dtype=torch.int32, device=DEV)
+    spans = {0: [0, -14, -3, -9][:G],  # exactly 14 binades: folds
+             1: [0, -15, 0, 0][:G],  # 15: per-group multiplies
+             2: [-3, 12, -40, 0][:G]}  # 52
+    q = torch.randn(R, H, D, generator=gen)
+    for r in range(R):
+        kind = r % 4
+        if kind in spans:
+            q[r] = _pinned_groups(q[r], spans[kind])
+        else:  # a dead (all-zero) group, its scale 2^-14 the floor's, next to groups of 2^8: folds
+            q[r] *= 2.0 ** 8
+            q[r, :, 32:64] = 0
+    w = torch.randn(R, H, generator=gen) * H ** -0.5
+    qv, qs, wf = formats.quantize_q(q.to(DEV), w.to(DEV), "mxfp4")
+    if dense:
+        L = max(seq)
+        ref = torch.empty(R, L, device=DEV)
+        reference.paged_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, ref)
+        run = lambda out: ops.paged_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, out)  # noqa: E731
+    else:
+        cbs, nbk = 8, 24
+        cand = _candidates(rng, gen, lens.tolist(), nbk, cbs)
+        ref = torch.empty(R, nbk * cbs, device=DEV)
+        reference.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, cand, cbs, ref)
+        run = lambda out: ops.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs,  # noqa: E731
+                                                      cand, cbs, out)
+    with backends.use_backend("triton"):
+        _check(run, ref)
+        out = _poisoned(*ref.shape)
+        run(out)
+    for r in range(R):  # row by row: the rows' magnitudes differ by orders, a whole-tensor calc_diff hides some
+        diff = testing.calc_diff(out[r], ref[r])
+        assert diff < TOL, f"row {r}: calc_diff {diff}"
+
+
 @pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
 @pytest.mark.parametrize("pair", [True, False], ids=["pair", "rows"])
 def test_sparse_mqa_logits(fmt, D, H, pair, seed, gen):

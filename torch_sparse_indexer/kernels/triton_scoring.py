@@ -119,15 +119,81 @@ def _load_q_fp4_group(q_ptr, qrow, qmask, g: tl.constexpr, M: tl.constexpr, USE_
 
 
 @triton.jit
+def _e2m1_value(code):
+    """e2m1 codes (int32, 0..15) -> fp32 values: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    m = code & 7
+    p2 = (((m >> 1) + 125) << 23).to(tl.float32, bitcast=True)  # 2^(e - 2) for codes >= 2
+    mag = tl.where(m < 2, m.to(tl.float32) * 0.5, (2 + (m & 1)).to(tl.float32) * p2)
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _q_fold_base(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.constexpr):
+    """MXFP4 queries: per head the largest exponent ``C`` among its live groups (a group with a nonzero code) and
+    ``ok``: every head's live groups lie within 14 binades of its ``C`` (then :func:`_q_fold_group` is exact).
+    Returns ``(C [MQ], ok scalar, scale words [MQ], packed bytes [MQ, 16] of groups 0..3)``."""
+    qw = tl.load(qs_ptr + qsidx, mask=qmask, other=0)
+    d = tl.arange(0, 16)
+    qrow = tl.multiple_of(qrow, 16)
+    b0 = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0)
+    b1 = tl.load(q_ptr + qrow[:, None] + 16 + d[None, :], mask=qmask[:, None], other=0)
+    if D == 128:
+        b2 = tl.load(q_ptr + qrow[:, None] + 32 + d[None, :], mask=qmask[:, None], other=0)
+        b3 = tl.load(q_ptr + qrow[:, None] + 48 + d[None, :], mask=qmask[:, None], other=0)
+    else:
+        b2 = tl.zeros((MQ, 16), tl.uint8)
+        b3 = b2
+    live0 = tl.max(b0 & 0x77, axis=1) != 0  # -0 (code 8) counts as zero
+    live1 = tl.max(b1 & 0x77, axis=1) != 0
+    live2 = tl.max(b2 & 0x77, axis=1) != 0
+    live3 = tl.max(b3 & 0x77, axis=1) != 0
+    e0 = qw & 0xFF
+    e1 = (qw >> 8) & 0xFF
+    e2 = (qw >> 16) & 0xFF
+    e3 = (qw >> 24) & 0xFF
+    c = tl.maximum(tl.maximum(tl.where(live0, e0, 0), tl.where(live1, e1, 0)),
+                   tl.maximum(tl.where(live2, e2, 0), tl.where(live3, e3, 0)))
+    okh = ((~live0 | (c - e0 <= 14)) & (~live1 | (c - e1 <= 14)) & (~live2 | (c - e2 <= 14))
+           & (~live3 | (c - e3 <= 14)))
+    ok = tl.min(okh.to(tl.int32), axis=0) == 1
+    return c, ok, qw, b0, b1, b2, b3
+
+
+@triton.jit
+def _q_fold_group(b, e, c, MQ: tl.constexpr):
+    """Packed group bytes ``b [MQ, 16]`` with exponent ``e [MQ]`` -> ``[MQ, 32]`` e4m3 of ``value * 2^(6 - (c - e))``
+    in element order: exact for ``0 <= c - e <= 14`` (e4m3 holds 0.5 * 2^-8 .. 6 * 2^6); a dead group's zeros
+    stay zeros whatever its exponent."""
+    f = ((133 - tl.minimum(tl.maximum(c - e, 0), 14)) << 23).to(tl.float32, bitcast=True)
+    bi = b.to(tl.int32)
+    lo = _e2m1_value(bi & 15) * f[:, None]
+    hi = _e2m1_value(bi >> 4) * f[:, None]
+    return tl.reshape(tl.join(lo, hi), (MQ, 32)).to(tl.float8e4nv)
+
+
+@triton.jit
+def _group_scale(word, g: tl.constexpr, sq, QF: tl.constexpr):
+    """Multiplier of group ``g``'s partial sums: the tokens' ``2^ek`` ``[BLOCK_N, 1]``, times the heads' ``2^eq``
+    ``sq [MQ]`` unless the queries carry it (``QF``)."""
+    sk = _ue8m0(word, g)[:, None]
+    if QF:
+        return sk
+    else:
+        return sk * sq[None, :]
+
+
+@triton.jit
 def _tile_scores(kv_ptr, koff, sc_ptr, sidx, kmask, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb, wv,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, MQ: tl.constexpr, FP4: tl.constexpr,
-                 DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
+                 DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr, QF: tl.constexpr = False):
     """Weighted-relu head terms of one K tile: returns ``(relu(q.k) * w [BLOCK_N, MQ], k_scale [BLOCK_N])``.
 
     ``koff [BLOCK_N]`` int64 byte offsets of each token's values; its scale word is ``sc_ptr[sidx]`` (fp32 for
     FP8, int32 UE8M0 bytes for MXFP4).
     FP8: ``q8 [MQ, D]``. MXFP4 (SM90): per-group e4m3 queries ``qg* [MQ, 32]`` and their fp32 scales
-    ``sq* [MQ]``. MXFP4 (SM100): packed queries ``qp [MQ, D/2]`` and scale bytes ``qsb [MQ, D/32]``.
+    ``sq* [MQ]``; ``QF``: queries with their group scales folded in (:func:`_q_fold_group`), ``sq*`` unused, so
+    each group's partial sum takes only its token's scale (one multiply-add per element instead of two and no
+    per-head scale registers). MXFP4 (SM100): packed queries ``qp [MQ, D/2]`` and scale bytes ``qsb [MQ, D/32]``.
     """
     koff = tl.multiple_of(koff, 16)
     if FP4:
@@ -140,17 +206,17 @@ def _tile_scores(kv_ptr, koff, sc_ptr, sidx, kmask, q8, qg0, qg1, qg2, qg3, sq0,
             d = tl.arange(0, 16)
             kb = tl.load(kv_ptr + koff[:, None] + d[None, :], mask=kmask[:, None], other=0)
             part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg0))
-            acc = part * (_ue8m0(word, 0)[:, None] * sq0[None, :])
+            acc = part * _group_scale(word, 0, sq0, QF)
             kb = tl.load(kv_ptr + koff[:, None] + 16 + d[None, :], mask=kmask[:, None], other=0)
             part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg1))
-            acc += part * (_ue8m0(word, 1)[:, None] * sq1[None, :])
+            acc += part * _group_scale(word, 1, sq1, QF)
             if D == 128:
                 kb = tl.load(kv_ptr + koff[:, None] + 32 + d[None, :], mask=kmask[:, None], other=0)
                 part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg2))
-                acc += part * (_ue8m0(word, 2)[:, None] * sq2[None, :])
+                acc += part * _group_scale(word, 2, sq2, QF)
                 kb = tl.load(kv_ptr + koff[:, None] + 48 + d[None, :], mask=kmask[:, None], other=0)
                 part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg3))
-                acc += part * (_ue8m0(word, 3)[:, None] * sq3[None, :])
+                acc += part * _group_scale(word, 3, sq3, QF)
         ksc = tl.full((BLOCK_N,), 1.0, tl.float32)
     else:
         d = tl.arange(0, D)
@@ -213,7 +279,7 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
                  HP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr,
                  HAS_REQ: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
                  IDX_LOAD: tl.constexpr, PACK_IDS: tl.constexpr, DOT_SCALED: tl.constexpr,
-                 USE_ASM: tl.constexpr):
+                 USE_ASM: tl.constexpr, QFOLD: tl.constexpr = 0):
     """Program (row, chunk): columns ``[chunk * COLS, (chunk + 1) * COLS)`` of one query row; ``COLS`` is a
     multiple of ``BLOCK_N`` and at most ``TILES * BLOCK_N`` (a runtime value: see ``_row_tiles``).
 
@@ -225,6 +291,9 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     barriers) instead of gathering them from vectors loaded once per program. ``PACK_IDS`` (sparse, without
     ``IDX_LOAD``): one gather per tile of (page << 32 | block id), the block id -1 where the slot is invalid,
     instead of three gathers (block id, validity, page).
+    ``QFOLD`` (MXFP4 on SM90): 1 scores only the rows whose query group scales fold into the e4m3 operands exactly
+    (:func:`_q_fold_base`), 2 only the others (per-group scale multiplies); the launcher runs both, so every row is
+    scored by exactly one of them. 0 scores every row the per-group way.
     """
     BS = 1 << LBS
     CBS = 1 << LCBS
@@ -250,14 +319,33 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     h = tl.arange(0, HP)
     hmask = h < H
     qrow = (row.to(tl.int64) * H + h) * VB
-    q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
-        q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D, FP4, DOT_SCALED, USE_ASM)
     wv = tl.load(w_ptr + row.to(tl.int64) * W_STRIDE + h, mask=hmask, other=0.0).to(tl.float32)
-    if FP4 and not DOT_SCALED:
-        wv = wv * 4096.0  # the 2^-6 * 2^-6 of the e4m3 re-encoding
-
     c_lo = chunk * COLS
     c_hi = tl.minimum(c_lo + COLS, L)
+    if QFOLD == 1:
+        qc, q_ok, qw, b0, b1, b2, b3 = _q_fold_base(q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D)
+        q8 = tl.zeros((16, 32), tl.uint8)
+        qg0 = _q_fold_group(b0, qw & 0xFF, qc, HP)
+        qg1 = _q_fold_group(b1, (qw >> 8) & 0xFF, qc, HP)
+        qg2 = _q_fold_group(b2, (qw >> 16) & 0xFF, qc, HP)
+        qg3 = _q_fold_group(b3, (qw >> 24) & 0xFF, qc, HP)
+        sq0 = tl.full((HP,), 1.0, tl.float32)
+        sq1 = sq0
+        sq2 = sq0
+        sq3 = sq0
+        qp = tl.zeros((16, 16), tl.uint8)
+        qsb = tl.zeros((16, 4), tl.uint8)
+        # the folded operands carry 2^(e - c) * 2^6 and K's re-encoding 2^-6: the head's 2^(c - 127) remains
+        wv = wv * _ue8m0(qc, 0)
+        c_hi = tl.where(q_ok, c_hi, c_lo)  # rows left to the QFOLD == 2 launch: no columns here
+    else:
+        q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
+            q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D, FP4, DOT_SCALED, USE_ASM)
+        if FP4 and not DOT_SCALED:
+            wv = wv * 4096.0  # the 2^-6 * 2^-6 of the e4m3 re-encoding
+        if QFOLD == 2:
+            _, q_ok, _, _, _, _, _ = _q_fold_base(q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D)
+            c_hi = tl.where(q_ok, c_lo, c_hi)
     if SPARSE:
         c_mid = c_hi
     else:
@@ -343,11 +431,11 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
             koff = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
             sidx = page * (PAGE_STRIDE // 4) + BS * (VB // 4) + off
             terms, ksc = _tile_scores(kv_ptr, koff, sc_base, sidx, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3,
-                                      qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM)
+                                      qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM, QFOLD == 1)
         else:
             key = tl.where(valid, ks_row + pos, 0).to(tl.int64)
             terms, ksc = _tile_scores(kv_ptr, key * VB, ksc_ptr, key, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1,
-                                      sq2, sq3, qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM)
+                                      sq2, sq3, qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM, QFOLD == 1)
         logit = tl.sum(terms, axis=1) * ksc
         logit = tl.where(valid, logit, float("-inf"))
         tl.store(out_row + cols, logit.to(out_ptr.dtype.element_ty), mask=cmask)
@@ -616,6 +704,9 @@ _ROW_WIDE = (128, 4, 3, _ROW_TILES, True, False, None, None)
 # on another GPU a wrong count only changes that estimate).
 _ROW_SPARSE_DECODE = {False: (128, 4, 3, 2 * _ROW_TILES, False, True, None, 3),
                       True: (64, 4, 3, 4 * _ROW_TILES, False, True, None, 2)}
+# MXFP4 with the query scales folded into the operands: 130 instead of 232 registers (local sm_90a compile), so
+# three CTAs share an SM.
+_ROW_SPARSE_DECODE_QFOLD = (64, 4, 3, 4 * _ROW_TILES, False, True, None, 3)
 # FP8 dense decode on SM90, up to 64 heads: two stages and at most 96 registers per thread let 5 CTAs share an
 # SM (3 with three stages: shared memory; 4 at 112 registers), more K tiles in flight per SM than deeper
 # per-CTA pipelines give: 128 x 128K measured 696 -> 614-620 us on the H200 (benchmarks/NOTES.md, v5). Sparse
@@ -629,15 +720,15 @@ _ROW_DENSE_DECODE = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, 5)
 _ROW_SPARSE_PREFILL = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, None)
 
 
-def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True, sm90: bool = True):
+def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True, sm90: bool = True, qfold: int = 0):
     """(BLOCK_N, warps, stages, tiles per program (at most), per-tile index loads, packed ids, register cap or
-    None, CTAs per SM or None) of the row kernel; an override may stop after any leading prefix of that tuple
-    (the rest come from the default)."""
+    None, CTAs per SM or None) of the row kernel (``qfold``: its ``QFOLD``); an override may stop after any leading
+    prefix of that tuple (the rest come from the default)."""
     if "rows" in CONFIG_OVERRIDES:
         cfg = tuple(CONFIG_OVERRIDES["rows"])
         return cfg + _ROW_DEFAULT[len(cfg):]
     if paged and sparse:
-        return _ROW_SPARSE_DECODE[fp4]
+        return _ROW_SPARSE_DECODE_QFOLD if fp4 and qfold == 1 else _ROW_SPARSE_DECODE[fp4]
     if not fp4 and HP <= 64 and paged != sparse and sm90:
         return _ROW_DENSE_DECODE if paged else _ROW_SPARSE_PREFILL
     if not fp4 and paged != sparse:
@@ -695,9 +786,7 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
         return
     HP = _heads_pad(H)
     sm90 = not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] == 9  # the interpreter: the SM90 path
-    block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg, ctas = _rows_config(HP, fp4, paged, sparse, sm90)
-    nt = _program_tiles(R, L, block_n, tiles, ctas, q.device)
-    grid = (R, triton.cdiv(L, nt * block_n))
+    dot_scaled = fp4 and _use_dot_scaled(q.device)
     dummy = context_lens if paged else ks
     if paged:
         a, b = context_lens, context_lens
@@ -714,13 +803,21 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
         N = kv.shape[0]
     cand = candidate_blocks if sparse else dummy
     ncand = candidate_blocks.shape[1] if sparse else 1
-    _rows_kernel[grid](
-        _q_bytes(q), q_scale if q_scale is not None else dummy, weights, kv, kscale, a, b, bt, req, cand, logits,
-        H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, formats.log2_block_size(block_size),
-        page_stride, ncand, formats.log2_block_size(cbs), weights.stride(0), nt * block_n,
-        HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
-        BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load, PACK_IDS=pack_ids and sparse,
-        DOT_SCALED=fp4 and _use_dot_scaled(q.device), USE_ASM=_USE_ASM, num_warps=warps, maxnreg=maxnreg)
+    # MXFP4 on SM90: rows whose query scales fold into the operands (nearly all) in one launch, the rest in another
+    # (each program reads its row's query scales and leaves the other launch's rows alone).
+    roles = (1, 2) if fp4 and not dot_scaled and CONFIG_OVERRIDES.get("qfold", True) else (0,)
+    for role in roles:
+        block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg, ctas = _rows_config(HP, fp4, paged, sparse, sm90,
+                                                                                         role)
+        nt = _program_tiles(R, L, block_n, tiles, ctas, q.device)
+        grid = (R, triton.cdiv(L, nt * block_n))
+        _rows_kernel[grid](
+            _q_bytes(q), q_scale if q_scale is not None else dummy, weights, kv, kscale, a, b, bt, req, cand, logits,
+            H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, formats.log2_block_size(block_size),
+            page_stride, ncand, formats.log2_block_size(cbs), weights.stride(0), nt * block_n,
+            HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
+            BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load, PACK_IDS=pack_ids and sparse,
+            DOT_SCALED=dot_scaled, USE_ASM=_USE_ASM, QFOLD=role, num_warps=warps, maxnreg=maxnreg)
 
 
 def _prefill_dense_config(HP: int, fp4: bool):
