@@ -322,8 +322,11 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     wv = tl.load(w_ptr + row.to(tl.int64) * W_STRIDE + h, mask=hmask, other=0.0).to(tl.float32)
     c_lo = chunk * COLS
     c_hi = tl.minimum(c_lo + COLS, L)
-    if QFOLD == 1:
+    if QFOLD != 0:
         qc, q_ok, qw, b0, b1, b2, b3 = _q_fold_base(q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D)
+        if q_ok == (QFOLD == 2):
+            return  # the other launch's row
+    if QFOLD == 1:
         q8 = tl.zeros((16, 32), tl.uint8)
         qg0 = _q_fold_group(b0, qw & 0xFF, qc, HP)
         qg1 = _q_fold_group(b1, (qw >> 8) & 0xFF, qc, HP)
@@ -337,15 +340,11 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
         qsb = tl.zeros((16, 4), tl.uint8)
         # the folded operands carry 2^(e - c) * 2^6 and K's re-encoding 2^-6: the head's 2^(c - 127) remains
         wv = wv * _ue8m0(qc, 0)
-        c_hi = tl.where(q_ok, c_hi, c_lo)  # rows left to the QFOLD == 2 launch: no columns here
     else:
         q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
             q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D, FP4, DOT_SCALED, USE_ASM)
         if FP4 and not DOT_SCALED:
             wv = wv * 4096.0  # the 2^-6 * 2^-6 of the e4m3 re-encoding
-        if QFOLD == 2:
-            _, q_ok, _, _, _, _, _ = _q_fold_base(q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D)
-            c_hi = tl.where(q_ok, c_lo, c_hi)
     if SPARSE:
         c_mid = c_hi
     else:
@@ -806,6 +805,7 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
     # MXFP4 on SM90: rows whose query scales fold into the operands (nearly all) in one launch, the rest in another
     # (each program reads its row's query scales and leaves the other launch's rows alone).
     roles = (1, 2) if fp4 and not dot_scaled and CONFIG_OVERRIDES.get("qfold", True) else (0,)
+    roles = CONFIG_OVERRIDES.get("qfold_roles", roles)  # benchmarks: one launch alone
     for role in roles:
         block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg, ctas = _rows_config(HP, fp4, paged, sparse, sm90,
                                                                                          role)
