@@ -24,9 +24,8 @@ QF = (64, 4, 3, 64, False, True, None, 3)  # MXFP4 sparse decode, folded-query l
 SWEEP = {
     ("sparse", "fp8"): [(None, None)],
     ("sparse", "mxfp4"): [(None, None), (None, None, {"qfold_roles": (1,)}), (None, None, {"qfold_roles": (2,)}),
-                          (None, None, {"qfold": False}), ((64, 4, 4, 64, False, True, None, 3), None, {"qfold_roles": (1,)}),
-                          ((64, 4, 2, 64, False, True, None, 3), None, {"qfold_roles": (1,)}),
-                          ((64, 4, 3, 32, False, True, None, 3), None, {"qfold_roles": (1,)})],
+                          (None, None, {"qfold": False})]
+    + [(QF, nt, {"qfold_roles": (1,)}) for nt in (16, 20, 24, 29, 32, 36, 43, 64)],
     ("dense", "fp8"): [(None, None), (DENSE, None), (DENSE, 16), (DENSE, 20), (DENSE, 32)],
 }
 

@@ -703,9 +703,12 @@ _ROW_WIDE = (128, 4, 3, _ROW_TILES, True, False, None, None)
 # on another GPU a wrong count only changes that estimate).
 _ROW_SPARSE_DECODE = {False: (128, 4, 3, 2 * _ROW_TILES, False, True, None, 3),
                       True: (64, 4, 3, 4 * _ROW_TILES, False, True, None, 2)}
-# MXFP4 with the query scales folded into the operands: 130 instead of 232 registers (local sm_90a compile), so
-# three CTAs share an SM.
-_ROW_SPARSE_DECODE_QFOLD = (64, 4, 3, 4 * _ROW_TILES, False, True, None, 3)
+# MXFP4 with the query scales folded into the operands (QFOLD = 1): 130 instead of 232 registers (local sm_90a
+# compile), so three CTAs share an SM. The launch for the rows that do not fold (QFOLD = 2) takes a whole 16K-column
+# row per program (ids loaded per tile): on ordinary queries its programs only read the query scales and leave, and
+# 128 of them cost less than 512 (7.3 us with 64-tile programs, run 45).
+_ROW_SPARSE_DECODE_QFOLD = {1: (64, 4, 3, 4 * _ROW_TILES, False, True, None, 3),
+                            2: (64, 4, 3, 16 * _ROW_TILES, True, False, None, None)}
 # FP8 dense decode on SM90, up to 64 heads: two stages and at most 96 registers per thread let 5 CTAs share an
 # SM (3 with three stages: shared memory; 4 at 112 registers), more K tiles in flight per SM than deeper
 # per-CTA pipelines give: 128 x 128K measured 696 -> 614-620 us on the H200 (benchmarks/NOTES.md, v5). Sparse
@@ -727,7 +730,7 @@ def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True, sm
         cfg = tuple(CONFIG_OVERRIDES["rows"])
         return cfg + _ROW_DEFAULT[len(cfg):]
     if paged and sparse:
-        return _ROW_SPARSE_DECODE_QFOLD if fp4 and qfold == 1 else _ROW_SPARSE_DECODE[fp4]
+        return _ROW_SPARSE_DECODE_QFOLD[qfold] if fp4 and qfold else _ROW_SPARSE_DECODE[fp4]
     if not fp4 and HP <= 64 and paged != sparse and sm90:
         return _ROW_DENSE_DECODE if paged else _ROW_SPARSE_PREFILL
     if not fp4 and paged != sparse:
