@@ -9,7 +9,11 @@ Math (SPEC section 2): ``logit[i, j] = s_j * sum_h w[i, h] * relu(q[i, h] . k[j]
   ``value * 2^-6`` (exact: e4m3 subnormals hold 0.5 * 2^-6), so the dot still runs on the fp8 tensor cores,
   one K=32 MMA per 32-element scale group; each group's partial sum is scaled by ``2^(eq + ek)`` and
   accumulated in fp32. The ``2^12`` of the re-encoding is folded into the weights (relu is positively
-  homogeneous). The cache is read at half the FP8 bytes.
+  homogeneous). The cache is read at half the FP8 bytes. The row kernel runs as two launches: rows whose
+  query heads keep their live groups within 14 binades of the head's largest scale carry the query group
+  scales in the e4m3 operands (exact there) and multiply each partial sum by the token's scale only (130
+  instead of 232 registers: three CTAs per SM), the other rows (none, for quantized real activations) take the
+  per-group multiplies; each program reads its row's query scales and leaves the other launch's rows alone.
 * MXFP4 on SM100 (``torch.cuda.get_device_capability() >= (10, 0)``): ``tl.dot_scaled`` with e2m1 operands
   and the UE8M0 scale bytes (block-scaled MMA).
 
