@@ -480,12 +480,9 @@ def bench_cache(rows, quick):
         # tokens on one warp, MXFP4 32 on four: triton_cache._WRITE_LAUNCH) and alternatives. FP8 on random slots is
         # at its target's edge, its scale words each a partial-sector write; the hints keep them in L2 until
         # neighbouring slots fill their sectors.
-        # The fifth element: tiles per program, each loading the next tile's rows before encoding its own.
         _sweep(rows, tc.CONFIG_OVERRIDES, "write", [(16, False, 1, True), (32, False, 4, True), (32, True),
                                                     (64, False, 4, True), (32, False, 2, True), (32, False, 1, True),
-                                                    (8, False, 1, True), (16, False, 1, True, 2),
-                                                    (16, False, 1, True, 4), (8, False, 1, True, 4),
-                                                    (8, False, 1, True, 8)],
+                                                    (8, False, 1, True)],
                fn, op="write_k_cache",
                fmt=fmt, shape=f"T{T} D{D} bf16", floor=common.floor_us(by), nbytes=by, check=write_check)
         bt = torch.randperm(nb, device=DEV).to(torch.int32).view(1, nb)

@@ -506,10 +506,7 @@ def test_mxfp4_bf16_pair_encoder_every_value(D, gen):
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("kdtype", [torch.bfloat16, torch.float32, torch.float16])
-@pytest.mark.parametrize("tiles", [None, 3], ids=["default-launch", "3-tiles-per-program"])
-def test_write_k_cache(fmt, D, kdtype, tiles, seed, gen, monkeypatch):
-    if tiles is not None:  # programs that prefetch the next tile's rows (a launch the benchmark compares)
-        monkeypatch.setitem(tc.CONFIG_OVERRIDES, "write", (16, INTERPRET, 1, True, tiles))
+def test_write_k_cache(fmt, D, kdtype, seed, gen):
     rng = random.Random(seed)
     bs = rng.choice(formats.CACHE_BLOCK_SIZES)
     nb = rng.randint(1, 6)

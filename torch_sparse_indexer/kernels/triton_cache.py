@@ -33,15 +33,14 @@ CONFIG_OVERRIDES: dict = {}
 
 
 def _write_config(fmt: str):
-    """(tokens per tile, integer e4m3 rounding, warps, L2 hints, tiles per program); an override (both formats)
-    may leave out the last three (4 warps, no hints, one tile). With several tiles a program loads the next tile's
-    rows before it encodes the current one. The default keeps the scale words in L2 (FP8, 1M random slots on the H200: 130 ->
+    """(tokens per program, integer e4m3 rounding, warps, L2 hints); an override (both formats) may leave out the
+    last two (4 warps, no hints). The default keeps the scale words in L2 (FP8, 1M random slots on the H200: 130 ->
     124 us) with the per-format launch of _WRITE_LAUNCH. On the GPU the e4m3 bytes come from triton's fp8 cast (the
     hardware's round-to-nearest-even conversion: 206 -> 129 us for 1M tokens, bytes equal to the reference's
     there; quantize_q uses it too); the integer rounding serves the interpreter, whose cast does not round."""
     tok, warps = _WRITE_LAUNCH[fmt]
     cfg = tuple(CONFIG_OVERRIDES.get("write", (tok, _INTERPRET, warps, True)))
-    return cfg + (4, False, 1)[len(cfg) - 2:]
+    return cfg + (4, False)[len(cfg) - 2:]
 
 
 def _pairs(fmt: str, x) -> bool:
@@ -157,7 +156,7 @@ def _e2m1_pair_bytes(w, a, e, USE_ASM: tl.constexpr):
     """``w`` int32 words of two bf16 elements (2i low half, 2i+1 high half), ``a = w & 0x7FFF7FFF``, ``e`` the
     group's biased scale exponent (broadcast to ``w``'s shape) -> uint8 ``code(2i) | code(2i + 1) << 4`` (ties to
     even, -0 -> +0): exactly :func:`formats.e2m1_encode` of ``x * 2^(127 - e)`` for finite groups with
-    ``e <= 246``. About 16 instructions per word where the fp32 encoder takes ~60 (MXFP4 writes are ALU-bound)."""
+    ``e <= 246``. About 13 instructions per word where the fp32 encoder takes ~60 (MXFP4 writes were ALU-bound)."""
     if USE_ASM:
         ew = (e << 7) | (e << 23)
         k = (12 + 2 * e) * 0x10001
@@ -189,7 +188,7 @@ def _quant_mxfp4_bf16(w, ROWS: tl.constexpr, G: tl.constexpr, USE_ASM: tl.conste
     else:  # the same maxima; the interpreter runs a custom reduction ~20x slower
         abits = tl.max(tl.maximum(a & 0xFFFF, a >> 16), axis=2)
     amax = tl.maximum((abits << 16).to(tl.float32, bitcast=True), 1e-4)
-    sf, e = _pow2_ceil(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
+    _, e = _pow2_ceil(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
     ok = (tl.max(tl.max(abits, axis=1), axis=0) < 0x7F80) & (tl.max(tl.max(e, axis=1), axis=0) <= 246)
     vals = _e2m1_pair_bytes(w, a, tl.broadcast_to(e[:, :, None], w.shape), USE_ASM)
     gi = tl.arange(0, G)
@@ -244,18 +243,11 @@ def _load_rows(k_ptr, t, tm, D: tl.constexpr, PAIRS: tl.constexpr, EV_STREAM: tl
 
 
 @triton.jit
-def _write_load(k_ptr, slot_ptr, t, T, D: tl.constexpr, PAIRS: tl.constexpr, EV_STREAM: tl.constexpr):
-    """(:func:`_load_rows` of tokens ``t``, their slots: -1 past ``T``)."""
-    tm = t < T
-    slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
-    return _load_rows(k_ptr, t, tm, D, PAIRS, EV_STREAM), slot
-
-
-@triton.jit
 def _write_tile(k_ptr, kv_ptr, rows, slot, t, T, NSLOT, LBS, PAGE_STRIDE, D: tl.constexpr, FP4: tl.constexpr,
                 POW2: tl.constexpr, TOK: tl.constexpr, SOFT_FP8: tl.constexpr, PAIRS: tl.constexpr,
                 USE_ASM: tl.constexpr, EV_STREAM: tl.constexpr, EV_SCALE: tl.constexpr):
-    """Quantize the loaded ``rows`` of tokens ``t`` and store values and scale words at their slots."""
+    """Quantize the loaded ``rows`` (:func:`_load_rows`) of tokens ``t`` and store values and scale words at their
+    slots."""
     VB: tl.constexpr = D // 2 if FP4 else D
     tm = t < T
     keep = tm & (slot >= 0) & (slot < NSLOT)
@@ -287,23 +279,18 @@ def _write_tile(k_ptr, kv_ptr, rows, slot, t, T, NSLOT, LBS, PAGE_STRIDE, D: tl.
             do_not_specialize_on_alignment=["slot_ptr"])
 def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, LBS, PAGE_STRIDE,
                   D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr, TOK: tl.constexpr,
-                  SOFT_FP8: tl.constexpr, HINTS: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
-                  TILES: tl.constexpr):
-    """``TILES`` consecutive tiles of ``TOK`` tokens per program, each tile's rows loaded before the previous tile
-    is encoded. ``PAIRS`` (MXFP4, bf16 ``k``): the encoder on bf16 pairs (:func:`_quant_mxfp4_bf16`), the fp32 one
-    for a tile whose groups it cannot take."""
+                  SOFT_FP8: tl.constexpr, HINTS: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr):
+    """``PAIRS`` (MXFP4, bf16 ``k``): the encoder on bf16 pairs (:func:`_quant_mxfp4_bf16`), the fp32 one for a
+    program whose groups it cannot take."""
     # HINTS: the K rows and value bytes stream through L2 once (evict first); the 4-byte scale words, one per
     # token at its page's end, stay (evict last) so that neighbouring slots' words written by other programs
     # merge into whole sectors in L2 instead of each leaving as a partial-sector write.
     EV_STREAM: tl.constexpr = "evict_first" if HINTS else ""
     EV_SCALE: tl.constexpr = "evict_last" if HINTS else ""
-    t = tl.program_id(0) * (TILES * TOK) + tl.arange(0, TOK)
-    rows, slot = _write_load(k_ptr, slot_ptr, t, T, D, PAIRS, EV_STREAM)
-    for _ in range(1, TILES):
-        rows_n, slot_n = _write_load(k_ptr, slot_ptr, t + TOK, T, D, PAIRS, EV_STREAM)
-        _write_tile(k_ptr, kv_ptr, rows, slot, t, T, NSLOT, LBS, PAGE_STRIDE, D, FP4, POW2, TOK, SOFT_FP8, PAIRS,
-                    USE_ASM, EV_STREAM, EV_SCALE)
-        rows, slot, t = rows_n, slot_n, t + TOK
+    t = tl.program_id(0) * TOK + tl.arange(0, TOK)
+    tm = t < T
+    slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
+    rows = _load_rows(k_ptr, t, tm, D, PAIRS, EV_STREAM)
     _write_tile(k_ptr, kv_ptr, rows, slot, t, T, NSLOT, LBS, PAGE_STRIDE, D, FP4, POW2, TOK, SOFT_FP8, PAIRS,
                 USE_ASM, EV_STREAM, EV_SCALE)
 
@@ -451,11 +438,11 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     T, D = k.shape
     if T == 0:
         return
-    tok, soft, warps, hints, tiles = _write_config(fmt)
-    _write_kernel[(triton.cdiv(T, tok * tiles),)](k, slot_mapping, kv, T, nb * bs, formats.log2_block_size(bs),
-                                                  stride, D=D, FP4=fmt == "mxfp4", POW2=bool(pow2_scale), TOK=tok,
-                                                  SOFT_FP8=soft, HINTS=bool(hints), PAIRS=_pairs(fmt, k),
-                                                  USE_ASM=_USE_ASM, TILES=tiles, num_warps=warps)
+    tok, soft, warps, hints = _write_config(fmt)
+    _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, formats.log2_block_size(bs), stride,
+                                          D=D, FP4=fmt == "mxfp4", POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft,
+                                          HINTS=bool(hints), PAIRS=_pairs(fmt, k), USE_ASM=_USE_ASM,
+                                          num_warps=warps)
 
 
 def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
