@@ -708,9 +708,9 @@ _ROW_WIDE = (128, 4, 3, _ROW_TILES, True, False, None, None)
 _ROW_SPARSE_DECODE = {False: (128, 4, 3, 2 * _ROW_TILES, False, True, None, 3),
                       True: (64, 4, 3, 4 * _ROW_TILES, False, True, None, 2)}
 # MXFP4 with the query scales folded into the operands (QFOLD = 1): 130 instead of 232 registers (local sm_90a
-# compile), so three CTAs share an SM. The launch for the rows that do not fold (QFOLD = 2) takes a whole 16K-column
-# row per program (ids loaded per tile): on ordinary queries its programs only read the query scales and leave, and
-# 128 of them cost less than 512 (7.3 us with 64-tile programs, run 45).
+# compile), so three CTAs share an SM (benchmarks/NOTES.md, session 8). The launch for the rows that do not fold
+# (QFOLD = 2) takes a whole 16K-column row per program (ids loaded per tile): on ordinary queries its programs only
+# read the query scales and leave (6.6 us in all with 128 programs, 7.3 with 512: runs 45-46).
 _ROW_SPARSE_DECODE_QFOLD = {1: (64, 4, 3, 4 * _ROW_TILES, False, True, None, 3),
                             2: (64, 4, 3, 16 * _ROW_TILES, True, False, None, None)}
 # FP8 dense decode on SM90, up to 64 heads: two stages and at most 96 registers per thread let 5 CTAs share an
