@@ -230,49 +230,21 @@ def _quant_rows(x, ROWS: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, POW2:
 
 
 @triton.jit
+def _pair_cols(D: tl.constexpr):
+    """``[1, D/32, 16]`` offsets of a row's int32 words of bf16 pairs, group by group: also its packed MXFP4 bytes."""
+    return tl.arange(0, D // 32)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+
+
+@triton.jit
 def _load_rows(k_ptr, t, tm, D: tl.constexpr, PAIRS: tl.constexpr, EV_STREAM: tl.constexpr):
     """Rows ``t`` of ``k``: int32 words ``[TOK, D/32, 16]`` for the pair encoder, else fp32 ``[TOK, D]``."""
     if PAIRS:
-        gv = tl.arange(0, D // 32)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-        return tl.load(k_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64)[:, None, None] * (D // 2) + gv,
+        return tl.load(k_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64)[:, None, None] * (D // 2) + _pair_cols(D),
                        mask=tm[:, None, None], other=0, eviction_policy=EV_STREAM)
     else:
         d = tl.arange(0, D)
         return tl.load(k_ptr + t.to(tl.int64)[:, None] * D + d[None, :], mask=tm[:, None], other=0.0,
                        eviction_policy=EV_STREAM).to(tl.float32)
-
-
-@triton.jit
-def _write_tile(k_ptr, kv_ptr, rows, slot, t, T, NSLOT, LBS, PAGE_STRIDE, D: tl.constexpr, FP4: tl.constexpr,
-                POW2: tl.constexpr, TOK: tl.constexpr, SOFT_FP8: tl.constexpr, PAIRS: tl.constexpr,
-                USE_ASM: tl.constexpr, EV_STREAM: tl.constexpr, EV_SCALE: tl.constexpr):
-    """Quantize the loaded ``rows`` (:func:`_load_rows`) of tokens ``t`` and store values and scale words at their
-    slots."""
-    VB: tl.constexpr = D // 2 if FP4 else D
-    tm = t < T
-    keep = tm & (slot >= 0) & (slot < NSLOT)
-    slot = tl.where(keep, slot, 0)
-    # block sizes are powers of two (validated by the ops): a 64-bit division by a runtime int is a ~40-instruction
-    # call per token, a measurable share of this ALU-bound kernel
-    BS = 1 << LBS
-    page = slot >> LBS
-    off = slot & (BS - 1)
-    # Offsets built as multiples of 16 (page stride % 16 == 0 is checked on the host) so the stores are
-    # 16-byte vectors; a multiple_of hint on the runtime stride does not carry through the product.
-    row = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
-    sidx = (page * (PAGE_STRIDE // 4) + BS * (VB // 4)) + off
-    if PAIRS:
-        G: tl.constexpr = D // 32
-        gv = tl.arange(0, G)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-        vals, sc, ok = _quant_mxfp4_bf16(rows, TOK, G, USE_ASM)
-        # Each branch stores its own results: values merged across the branches would be converted to one layout.
-        if ok:
-            tl.store(kv_ptr + row[:, None, None] + gv, vals, mask=keep[:, None, None], eviction_policy=EV_STREAM)
-            tl.store(kv_ptr.to(tl.pointer_type(tl.int32)) + sidx, sc, mask=keep, eviction_policy=EV_SCALE)
-        else:
-            _write_groups_fp32(k_ptr, kv_ptr, t, tm, keep, row, sidx, D, TOK, EV_STREAM, EV_SCALE)
-    else:
-        _write_rows_fp32(rows, kv_ptr, keep, row, sidx, D, FP4, POW2, TOK, SOFT_FP8, EV_STREAM, EV_SCALE)
 
 
 @triton.jit(do_not_specialize=["T", "NSLOT", "LBS", "PAGE_STRIDE"],
@@ -287,12 +259,33 @@ def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, LBS, PAGE_STRIDE,
     # merge into whole sectors in L2 instead of each leaving as a partial-sector write.
     EV_STREAM: tl.constexpr = "evict_first" if HINTS else ""
     EV_SCALE: tl.constexpr = "evict_last" if HINTS else ""
+    VB: tl.constexpr = D // 2 if FP4 else D
     t = tl.program_id(0) * TOK + tl.arange(0, TOK)
     tm = t < T
     slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
     rows = _load_rows(k_ptr, t, tm, D, PAIRS, EV_STREAM)
-    _write_tile(k_ptr, kv_ptr, rows, slot, t, T, NSLOT, LBS, PAGE_STRIDE, D, FP4, POW2, TOK, SOFT_FP8, PAIRS,
-                USE_ASM, EV_STREAM, EV_SCALE)
+    keep = tm & (slot >= 0) & (slot < NSLOT)
+    slot = tl.where(keep, slot, 0)
+    # block sizes are powers of two (validated by the ops): a 64-bit division by a runtime int is a ~40-instruction
+    # call per token, a measurable share of this ALU-bound kernel
+    BS = 1 << LBS
+    page = slot >> LBS
+    off = slot & (BS - 1)
+    # Offsets built as multiples of 16 (page stride % 16 == 0 is checked on the host) so the stores are
+    # 16-byte vectors; a multiple_of hint on the runtime stride does not carry through the product.
+    row = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
+    sidx = (page * (PAGE_STRIDE // 4) + BS * (VB // 4)) + off
+    if PAIRS:
+        vals, sc, ok = _quant_mxfp4_bf16(rows, TOK, D // 32, USE_ASM)
+        # Each branch stores its own results: values merged across the branches would be converted to one layout.
+        if ok:
+            tl.store(kv_ptr + row[:, None, None] + _pair_cols(D), vals, mask=keep[:, None, None],
+                     eviction_policy=EV_STREAM)
+            tl.store(kv_ptr.to(tl.pointer_type(tl.int32)) + sidx, sc, mask=keep, eviction_policy=EV_SCALE)
+        else:
+            _write_groups_fp32(k_ptr, kv_ptr, t, tm, keep, row, sidx, D, TOK, EV_STREAM, EV_SCALE)
+    else:
+        _write_rows_fp32(rows, kv_ptr, keep, row, sidx, D, FP4, POW2, TOK, SOFT_FP8, EV_STREAM, EV_SCALE)
 
 
 @triton.jit
@@ -384,8 +377,7 @@ def _quantize_rows_fp32(q_ptr, qv_ptr, m, mm, D: tl.constexpr, FP4: tl.constexpr
                         SOFT_FP8: tl.constexpr):
     """Quantize rows ``m`` of ``q`` in fp32, store their values and return their scales (:func:`_quant_rows`)."""
     VB: tl.constexpr = D // 2 if FP4 else D
-    d = tl.arange(0, D)
-    x = tl.load(q_ptr + m.to(tl.int64)[:, None] * D + d[None, :], mask=mm[:, None], other=0.0).to(tl.float32)
+    x = _load_rows(q_ptr, m, mm, D, False, "")
     vals, sc = _quant_rows(x, TOK, D, FP4, True, SOFT_FP8)
     vb = tl.arange(0, VB)
     tl.store(qv_ptr + m.to(tl.int64)[:, None] * VB + vb[None, :], vals, mask=mm[:, None])
@@ -402,13 +394,9 @@ def _quantize_q_kernel(q_ptr, w_ptr, qv_ptr, qs_ptr, wo_ptr, M, H, W_STRIDE, WS,
     m = tl.program_id(0) * TOK + tl.arange(0, TOK)
     mm = m < M
     if PAIRS:
-        G: tl.constexpr = D // 32
-        gv = tl.arange(0, G)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
-        wq = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + m.to(tl.int64)[:, None, None] * VB + gv,
-                     mask=mm[:, None, None], other=0)
-        vals, sc, ok = _quant_mxfp4_bf16(wq, TOK, G, USE_ASM)
+        vals, sc, ok = _quant_mxfp4_bf16(_load_rows(q_ptr, m, mm, D, True, ""), TOK, D // 32, USE_ASM)
         if ok:
-            tl.store(qv_ptr + m.to(tl.int64)[:, None, None] * VB + gv, vals, mask=mm[:, None, None])
+            tl.store(qv_ptr + m.to(tl.int64)[:, None, None] * VB + _pair_cols(D), vals, mask=mm[:, None, None])
         else:
             sc = _quantize_rows_fp32(q_ptr, qv_ptr, m, mm, D, FP4, TOK, SOFT_FP8)
     else:

@@ -115,11 +115,16 @@ def _load_q_fp8(q_ptr, qrow, qmask, D: tl.constexpr):
 
 
 @triton.jit
-def _load_q_fp4_group(q_ptr, qrow, qmask, g: tl.constexpr, M: tl.constexpr, USE_ASM: tl.constexpr):
+def _q_group_bytes(q_ptr, qrow, qmask, g: tl.constexpr):
+    """``[M, 16]`` packed e2m1 bytes of group ``g`` of the query-head rows at byte offsets ``qrow`` (masked: 0)."""
     d = tl.arange(0, 16)
     qrow = tl.multiple_of(qrow, 16)
-    b = tl.load(q_ptr + qrow[:, None] + g * 16 + d[None, :], mask=qmask[:, None], other=0)
-    return _fp4_group_to_fp8(b, M, USE_ASM)
+    return tl.load(q_ptr + qrow[:, None] + g * 16 + d[None, :], mask=qmask[:, None], other=0)
+
+
+@triton.jit
+def _load_q_fp4_group(q_ptr, qrow, qmask, g: tl.constexpr, M: tl.constexpr, USE_ASM: tl.constexpr):
+    return _fp4_group_to_fp8(_q_group_bytes(q_ptr, qrow, qmask, g), M, USE_ASM)
 
 
 @triton.jit
@@ -137,13 +142,11 @@ def _q_fold_base(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.cons
     ``ok``: every head's live groups lie within 14 binades of its ``C`` (then :func:`_q_fold_group` is exact).
     Returns ``(C [MQ], ok scalar, scale words [MQ], packed bytes [MQ, 16] of groups 0..3)``."""
     qw = tl.load(qs_ptr + qsidx, mask=qmask, other=0)
-    d = tl.arange(0, 16)
-    qrow = tl.multiple_of(qrow, 16)
-    b0 = tl.load(q_ptr + qrow[:, None] + d[None, :], mask=qmask[:, None], other=0)
-    b1 = tl.load(q_ptr + qrow[:, None] + 16 + d[None, :], mask=qmask[:, None], other=0)
+    b0 = _q_group_bytes(q_ptr, qrow, qmask, 0)
+    b1 = _q_group_bytes(q_ptr, qrow, qmask, 1)
     if D == 128:
-        b2 = tl.load(q_ptr + qrow[:, None] + 32 + d[None, :], mask=qmask[:, None], other=0)
-        b3 = tl.load(q_ptr + qrow[:, None] + 48 + d[None, :], mask=qmask[:, None], other=0)
+        b2 = _q_group_bytes(q_ptr, qrow, qmask, 2)
+        b3 = _q_group_bytes(q_ptr, qrow, qmask, 3)
     else:
         b2 = tl.zeros((MQ, 16), tl.uint8)
         b3 = b2
