@@ -20,12 +20,15 @@ from torch_sparse_indexer.kernels import triton_scoring as ts  # noqa: E402
 
 B, CTX, NBK = 128, 131072, 2048
 DENSE = (128, 4, 2, 32, True, False, 96, 5)  # dense decode, up to 32 tiles per program, 5 CTAs per SM
-QF = (64, 4, 3, 64, False, True, None, 3)  # MXFP4 sparse decode, folded-query launch
+# the K-folded launch: registers uncapped (114: 4 CTAs per SM) or capped, 2 stages, 128-token tiles on 8 warps
+QF_VARIANTS = [(64, 4, 3, 64, False, True, None, 4), (64, 4, 3, 64, False, True, 104, 4),
+               (64, 4, 2, 64, False, True, 96, 5), (64, 4, 3, 64, False, True, 88, 5),
+               (128, 8, 3, 32, False, True, None, 2), (64, 4, 3, 64, False, True, 96, 4)]
 SWEEP = {
     ("sparse", "fp8"): [(None, None)],
-    ("sparse", "mxfp4"): [(None, None), (None, None, {"qfold_roles": (1,)}), (None, None, {"qfold_roles": (2,)}),
-                          (None, None, {"qfold": False})]
-    + [(QF, nt, {"qfold_roles": (1,)}) for nt in (16, 20, 24, 29, 32, 36, 43, 64)],
+    ("sparse", "mxfp4"): [(None, None), (None, None, {"kfold": False}), (None, None, {"qfold_roles": (1,)}),
+                          (None, None, {"qfold_roles": (2,)}), (None, None, {"qfold": False})]
+    + [(cfg, None) for cfg in QF_VARIANTS],
     ("dense", "fp8"): [(None, None), (DENSE, None), (DENSE, 16), (DENSE, 20), (DENSE, 32)],
 }
 

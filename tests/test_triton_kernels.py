@@ -376,6 +376,62 @@ def test_mxfp4_query_scales_fold_or_not(D, dense, seed, gen):
         assert diff < TOL, f"row {r}: calc_diff {diff}"
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+@pytest.mark.parametrize("odd", ["span12", "zero_group"])
+def test_mxfp4_key_scales_fold_or_rescore(D, dense, odd, seed, gen):
+    """MXFP4 decode (SM90 path): a program scores its tiles with each token's K group scales folded into the e4m3
+    operand, exact while a token's groups span at most 11 binades, and scores its columns again the per-group way
+    when some token spans more. Three pages hold tokens spanning 12 binades, or with an all-zero group (scale
+    2^-16) next to groups of 2^0 (rescored), the others tokens spanning exactly 11 (the folded path); every page
+    is in use, so some programs are rescored and others not. The queries' group sizes mirror the
+    11- and 12-binade keys', so each group's products are of one size and a misencoded small K group shows (a
+    fold allowed at 12 binades is off by 1e-4); checked row by row against the reference."""
+    rng = random.Random(seed)
+    G = D // 32
+    H, bs = 16, 16
+    seq = [70, 45, 33, 50]
+    span11 = [0, -11, -5, -2][:G]
+    span12 = [0, -12, -3, -7][:G]
+
+    def rows(n):
+        x = _pinned_groups(torch.randn(n, D, generator=gen), span11)  # every score of one size
+        if odd == "span12":
+            x[:3 * bs] = _pinned_groups(x[:3 * bs], span12)
+        else:
+            x[:3 * bs, 32:64] = 0
+        return x
+
+    case = testing.make_paged_cache(seq, bs, D, "mxfp4", device=DEV, gen=gen, spare_blocks=0, rows=rows)
+    R = 8
+    reqs = torch.tensor([r % 4 for r in range(R)], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([seq[r % 4] for r in range(R)], dtype=torch.int32, device=DEV)
+    q = torch.randn(R, H, D, generator=gen)
+    for r in range(R):
+        q[r] = _pinned_groups(q[r], [-e for e in (span11 if r < 4 else span12)])
+    w = torch.randn(R, H, generator=gen) * H ** -0.5
+    qv, qs, wf = formats.quantize_q(q.to(DEV), w.to(DEV), "mxfp4")
+    if dense:
+        L = max(seq)
+        ref = torch.empty(R, L, device=DEV)
+        reference.paged_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, ref)
+        run = lambda out: ops.paged_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, out)  # noqa: E731
+    else:
+        cbs, nbk = 8, 10
+        cand = _candidates(rng, gen, lens.tolist(), nbk, cbs)
+        ref = torch.empty(R, nbk * cbs, device=DEV)
+        reference.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, cand, cbs, ref)
+        run = lambda out: ops.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs,  # noqa: E731
+                                                      cand, cbs, out)
+    with backends.use_backend("triton"):
+        _check(run, ref)
+        out = _poisoned(*ref.shape)
+        run(out)
+    for r in range(R):
+        diff = testing.calc_diff(out[r], ref[r])
+        assert diff < TOL, f"row {r}: calc_diff {diff}"
+
+
 @pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
 @pytest.mark.parametrize("pair", [True, False], ids=["pair", "rows"])
 def test_sparse_mqa_logits(fmt, D, H, pair, seed, gen):

@@ -179,6 +179,122 @@ def _q_fold_group(b, e, c, MQ: tl.constexpr):
 
 
 @triton.jit
+def _q_fold_halves(q_ptr, qrow, qmask, qw, c, MQ: tl.constexpr, D: tl.constexpr):
+    """MXFP4 queries folded as in :func:`_q_fold_group`, for the K-folded tiles (:func:`_kfold_operands`): returns
+    ``(q1, q2)``, each ``[MQ, D/2]`` e4m3, column ``4i + k`` holding element ``8i + k`` (q1) or ``8i + 4 + k`` (q2)."""
+    VB: tl.constexpr = D // 2
+    d = tl.arange(0, VB)
+    b = tl.load(q_ptr + tl.multiple_of(qrow, 16)[:, None] + d[None, :], mask=qmask[:, None], other=0).to(tl.int32)
+    code = tl.reshape(tl.join(b & 15, b >> 4), (MQ, D))  # element order
+    e = (qw[:, None] >> ((tl.arange(0, D) // 32) * 8)[None, :]) & 0xFF
+    f = ((133 - tl.minimum(tl.maximum(c[:, None] - e, 0), 14)) << 23).to(tl.float32, bitcast=True)
+    v = tl.reshape(_e2m1_value(code) * f, (MQ, D // 8, 2, 4))
+    lo, hi = tl.split(tl.permute(v, (0, 1, 3, 2)))
+    return (tl.reshape(lo, (MQ, VB)).to(tl.float8e4nv), tl.reshape(hi, (MQ, VB)).to(tl.float8e4nv))
+
+
+# e4m3 bytes of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 times 2^6, four to a word (magnitude code = byte
+# index), and the per-byte step that lowers a nonzero entry's exponent by one (entry 0 stays 0).
+_KF_LUT0 = tl.constexpr(0x6C686000)
+_KF_LUT1 = tl.constexpr(0x7C787470)
+_KF_STEP0 = tl.constexpr(0x08080800)
+_KF_STEP1 = tl.constexpr(0x08080808)
+# Largest spread (binades) between a token's group scales that the K-folded operand holds exactly: every nonzero
+# entry of the table shifted down by d stays a normal e4m3 (0.5 * 2^(6 - 11) = 2^-6).
+_KF_SPAN = tl.constexpr(11)
+
+
+@triton.jit
+def _marker_ptr(out_ptr):
+    """``out_ptr`` (fp32 or bf16 logits) as integers of the same width."""
+    if out_ptr.dtype.element_ty == tl.float32:
+        return out_ptr.to(tl.pointer_type(tl.int32))
+    else:
+        return out_ptr.to(tl.pointer_type(tl.int16))
+
+
+@triton.jit
+def _marker(out_ptr):
+    """A NaN with a payload no arithmetic produces (GPUs return the canonical NaN), as the bits of a logit: the
+    K-folded launch leaves it in the first column of a program's columns to have the second launch score them
+    again (which overwrites it)."""
+    if out_ptr.dtype.element_ty == tl.float32:
+        return tl.full((), 0x7FA5A5A5, tl.int32)
+    else:
+        return tl.full((), 0x7FA5, tl.int16)
+
+
+@triton.jit
+def _kfold_operands(kb, d, USE_ASM: tl.constexpr):
+    """``kb [R, VB]`` packed e2m1 bytes and ``d [R, VB]`` int32 (each byte's group: its token's largest group
+    exponent minus the group's, at most ``_KF_SPAN``) -> ``(a1, a2)`` ``[R, VB]`` e4m3 of ``value * 2^(6 - d)``,
+    word by word: column ``4i + k`` holds element ``8i + k`` (a1) or ``8i + 4 + k`` (a2), the order of
+    :func:`_q_fold_halves`. Exact: no rounding happens for ``d <= _KF_SPAN``."""
+    if USE_ASM:
+        # Per 32-bit word (8 nibbles): the magnitudes index a byte table (prmt), the table moved down d binades
+        # (two IMADs per word, no borrow for d <= 11); the sign of nibble k lands on bit 7 of output byte k
+        # through a byte permute of w and w << 4.
+        l0 = _KF_LUT0 - d * _KF_STEP0
+        l1 = _KF_LUT1 - d * _KF_STEP1
+        # (two single-result asm ops: the layout pass then loads the bytes straight into the MMA operand layout;
+        # with one two-result op it went through shared memory)
+        a1 = tl.inline_asm_elementwise(
+            "{ .reg .b32 m, s; and.b32 m, $1, 0x77777777; prmt.b32 $0, $2, $6, m; shl.b32 s, $1, 4; "
+            "prmt.b32 s, s, $1, 0x5140; and.b32 s, s, 0x80808080; or.b32 $0, $0, s; }",
+            "=r,r,r,r,r,r,r,r,r,r", [kb, l0, l1], dtype=tl.uint8, is_pure=True, pack=4)
+        a2 = tl.inline_asm_elementwise(
+            "{ .reg .b32 m, s; and.b32 m, $1, 0x77777777; shr.b32 m, m, 16; prmt.b32 $0, $2, $6, m; "
+            "shl.b32 s, $1, 4; prmt.b32 s, s, $1, 0x7362; and.b32 s, s, 0x80808080; or.b32 $0, $0, s; }",
+            "=r,r,r,r,r,r,r,r,r,r", [kb, l0, l1], dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        R: tl.constexpr = kb.shape[0]
+        VB: tl.constexpr = kb.shape[1]
+        x = tl.permute(tl.reshape(kb.to(tl.int32), (R, VB // 4, 2, 2)), (0, 1, 3, 2))  # [t, i, j, p]: byte 4i + 2p + j
+        b1, b2 = tl.split(x)
+        a1 = _kfold_bytes(tl.reshape(tl.join(b1 & 15, b1 >> 4), (R, VB)), d)
+        a2 = _kfold_bytes(tl.reshape(tl.join(b2 & 15, b2 >> 4), (R, VB)), d)
+    return a1.to(tl.float8e4nv, bitcast=True), a2.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _kfold_bytes(code, d):
+    """Plain-Triton form of one table entry: e2m1 ``code`` -> the e4m3 byte of ``value * 2^(6 - d)``."""
+    m = code & 7
+    base = (((m >> 1) + 12) << 3) | tl.where(m >= 2, (m & 1) << 2, 0)
+    mag = tl.where(m == 0, 0, base - 8 * d)
+    return ((mag | ((code & 8) << 4)) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _kfold_tile(kv_ptr, koff, sc_ptr, sidx, kmask, q1, q2, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                USE_ASM: tl.constexpr):
+    """MXFP4 K tile with its tokens' group scales folded into the e4m3 operand (SM90): returns ``(acc [BLOCK_N, MQ]
+    = q.k * 2^(6 + 6 - ref - c + 2 * 127), ref [BLOCK_N] = each token's largest group exponent, bad [BLOCK_N])``;
+    ``bad``: a token whose groups span more than ``_KF_SPAN`` binades or carry exponent 255 (its score from this
+    tile is wrong and the caller rescores it)."""
+    VB: tl.constexpr = D // 2
+    G: tl.constexpr = D // 32
+    word = tl.load(sc_ptr + sidx, mask=kmask, other=0)
+    e0 = word & 0xFF
+    e1 = (word >> 8) & 0xFF
+    ref = tl.maximum(e0, e1)
+    mn = tl.minimum(e0, e1)
+    if G == 4:
+        e2 = (word >> 16) & 0xFF
+        e3 = (word >> 24) & 0xFF
+        ref = tl.maximum(ref, tl.maximum(e2, e3))
+        mn = tl.minimum(mn, tl.minimum(e2, e3))
+    bad = (ref - mn > _KF_SPAN) | (ref == 255)
+    d = ref[:, None] - ((word[:, None] >> ((tl.arange(0, VB) // 16) * 8)[None, :]) & 0xFF)
+    c = tl.arange(0, VB)
+    kb = tl.load(kv_ptr + tl.multiple_of(koff, 16)[:, None] + c[None, :], mask=kmask[:, None], other=0)
+    a1, a2 = _kfold_operands(kb, d, USE_ASM)
+    acc = tl.dot(a1, tl.trans(q1))
+    acc = tl.dot(a2, tl.trans(q2), acc)
+    return acc, ref, bad
+
+
+@triton.jit
 def _group_scale(word, g: tl.constexpr, sq, QF: tl.constexpr):
     """Multiplier of group ``g``'s partial sums: the tokens' ``2^ek`` ``[BLOCK_N, 1]``, times the heads' ``2^eq``
     ``sq [MQ]`` unless the queries carry it (``QF``)."""
@@ -286,7 +402,7 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
                  HP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr,
                  HAS_REQ: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
                  IDX_LOAD: tl.constexpr, PACK_IDS: tl.constexpr, DOT_SCALED: tl.constexpr,
-                 USE_ASM: tl.constexpr, QFOLD: tl.constexpr = 0):
+                 USE_ASM: tl.constexpr, QFOLD: tl.constexpr = 0, KFOLD: tl.constexpr = True):
     """Program (row, chunk): columns ``[chunk * COLS, (chunk + 1) * COLS)`` of one query row; ``COLS`` is a
     multiple of ``BLOCK_N`` and at most ``TILES * BLOCK_N`` (a runtime value: see ``_row_tiles``).
 
@@ -329,25 +445,20 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     wv = tl.load(w_ptr + row.to(tl.int64) * W_STRIDE + h, mask=hmask, other=0.0).to(tl.float32)
     c_lo = chunk * COLS
     c_hi = tl.minimum(c_lo + COLS, L)
-    if QFOLD != 0:
-        qc, q_ok, qw, b0, b1, b2, b3 = _q_fold_base(q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D)
-        if q_ok == (QFOLD == 2):
-            return  # the other launch's row
+    KF: tl.constexpr = QFOLD == 1 and KFOLD
     if QFOLD == 1:
-        q8 = tl.zeros((16, 32), tl.uint8)
-        qg0 = _q_fold_group(b0, qw & 0xFF, qc, HP)
-        qg1 = _q_fold_group(b1, (qw >> 8) & 0xFF, qc, HP)
-        qg2 = _q_fold_group(b2, (qw >> 16) & 0xFF, qc, HP)
-        qg3 = _q_fold_group(b3, (qw >> 24) & 0xFF, qc, HP)
-        sq0 = tl.full((HP,), 1.0, tl.float32)
-        sq1 = sq0
-        sq2 = sq0
-        sq3 = sq0
-        qp = tl.zeros((16, 16), tl.uint8)
-        qsb = tl.zeros((16, 4), tl.uint8)
-        # the folded operands carry 2^(e - c) * 2^6 and K's re-encoding 2^-6: the head's 2^(c - 127) remains
-        wv = wv * _ue8m0(qc, 0)
-    else:
+        qc, q_ok, qw, b0, b1, b2, b3 = _q_fold_base(q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D)
+        if not q_ok:
+            return  # the other launch's row
+    if QFOLD == 2:
+        qc, q_ok, qw, b0, b1, b2, b3 = _q_fold_base(q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D)
+        if q_ok:
+            if not KFOLD:
+                return  # the other launch's row
+            # the first launch's program over these columns asks for them to be scored again (_RESCORE)
+            if tl.load(_marker_ptr(out_ptr) + row.to(tl.int64) * OUT_STRIDE + c_lo) != _marker(out_ptr):
+                return
+    if QFOLD != 1:
         q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
             q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D, FP4, DOT_SCALED, USE_ASM)
         if FP4 and not DOT_SCALED:
@@ -393,6 +504,29 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
             p0 = c_lo >> LBS
             pi = p0 + tl.arange(0, NPG)
             pagev = tl.load(bt_row + pi, mask=(pi < MB) & ((pi << LBS) < tl.minimum(n, c_hi)), other=-1)
+    if QFOLD == 1:
+        if KF:
+            # K's group scales fold into its e4m3 operand too (one accumulator, two K = D/2 MMAs, no per-group
+            # multiplies) for tokens whose groups span at most _KF_SPAN binades (K written from real activations
+            # has no others); a program that meets another asks the second launch to score its columns again
+            q1, q2 = _q_fold_halves(q_ptr, qrow, hmask, qw, qc, HP, D)
+            # operands: 2^(6 + e - c) per query group, 2^(6 + e - ref) per K group; ksc = 2^(ref - 127)
+            wv = wv * _ue8m0(qc, 0) * (1.0 / 4096.0)
+            badv = tl.zeros((BLOCK_N,), tl.int32)
+        else:
+            q8 = tl.zeros((16, 32), tl.uint8)
+            qg0 = _q_fold_group(b0, qw & 0xFF, qc, HP)
+            qg1 = _q_fold_group(b1, (qw >> 8) & 0xFF, qc, HP)
+            qg2 = _q_fold_group(b2, (qw >> 16) & 0xFF, qc, HP)
+            qg3 = _q_fold_group(b3, (qw >> 24) & 0xFF, qc, HP)
+            sq0 = tl.full((HP,), 1.0, tl.float32)
+            sq1 = sq0
+            sq2 = sq0
+            sq3 = sq0
+            qp = tl.zeros((16, 16), tl.uint8)
+            qsb = tl.zeros((16, 4), tl.uint8)
+            # the folded queries carry 2^(e - c) * 2^6 and K's re-encoding 2^-6: the head's 2^(c - 127) remains
+            wv = wv * _ue8m0(qc, 0)
     for c0 in tl.range(c_lo, c_mid, BLOCK_N, num_stages=NUM_STAGES):
         cols = c0 + offs
         cmask = cols < c_hi
@@ -436,15 +570,30 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
             # page stride % 16 == 0 is checked on the host (supports): 16-byte vector copies
             koff = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
             sidx = page * (PAGE_STRIDE // 4) + BS * (VB // 4) + off
-            terms, ksc = _tile_scores(kv_ptr, koff, sc_base, sidx, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3,
-                                      qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM, QFOLD == 1)
+            if KF:
+                acc, ref, bad = _kfold_tile(kv_ptr, koff, sc_base, sidx, valid, q1, q2, D, BLOCK_N, USE_ASM)
+                terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wv[None, :]
+                ksc = _ue8m0(ref, 0)
+                badv = badv | bad.to(tl.int32)
+            else:
+                terms, ksc = _tile_scores(kv_ptr, koff, sc_base, sidx, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2,
+                                          sq3, qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM, QFOLD == 1)
         else:
             key = tl.where(valid, ks_row + pos, 0).to(tl.int64)
-            terms, ksc = _tile_scores(kv_ptr, key * VB, ksc_ptr, key, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1,
-                                      sq2, sq3, qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM, QFOLD == 1)
+            if KF:
+                acc, ref, bad = _kfold_tile(kv_ptr, key * VB, ksc_ptr, key, valid, q1, q2, D, BLOCK_N, USE_ASM)
+                terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wv[None, :]
+                ksc = _ue8m0(ref, 0)
+                badv = badv | bad.to(tl.int32)
+            else:
+                terms, ksc = _tile_scores(kv_ptr, key * VB, ksc_ptr, key, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1,
+                                          sq2, sq3, qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM, QFOLD == 1)
         logit = tl.sum(terms, axis=1) * ksc
         logit = tl.where(valid, logit, float("-inf"))
         tl.store(out_row + cols, logit.to(out_ptr.dtype.element_ty), mask=cmask)
+    if KF:
+        if tl.max(badv, 0) != 0:  # (after the reduction's barrier: every column's store above is done)
+            tl.store(_marker_ptr(out_ptr) + row.to(tl.int64) * OUT_STRIDE + c_lo, _marker(out_ptr))
     ninf = tl.full((BLOCK_N,), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
     for c0 in range(c_lo + tl.cdiv(c_mid - c_lo, BLOCK_N) * BLOCK_N, c_hi, BLOCK_N):
         cols = c0 + offs
@@ -714,7 +863,7 @@ _ROW_SPARSE_DECODE = {False: (128, 4, 3, 2 * _ROW_TILES, False, True, None, 3),
 # compile), so three CTAs share an SM (benchmarks/NOTES.md, session 8). The launch for the rows that do not fold
 # (QFOLD = 2) takes a whole 16K-column row per program (ids loaded per tile): on ordinary queries its programs only
 # read the query scales and leave (6.6 us in all with 128 programs, 7.3 with 512: runs 45-46).
-_ROW_SPARSE_DECODE_QFOLD = {1: (64, 4, 3, 4 * _ROW_TILES, False, True, None, 3),
+_ROW_SPARSE_DECODE_QFOLD = {1: (64, 4, 3, 4 * _ROW_TILES, False, True, 96, 5),
                             2: (64, 4, 3, 16 * _ROW_TILES, True, False, None, None)}
 # FP8 dense decode on SM90, up to 64 heads: two stages and at most 96 registers per thread let 5 CTAs share an
 # SM (3 with three stages: shared memory; 4 at 112 registers), more K tiles in flight per SM than deeper
@@ -816,18 +965,25 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
     # (each program reads its row's query scales and leaves the other launch's rows alone).
     roles = (1, 2) if fp4 and not dot_scaled and CONFIG_OVERRIDES.get("qfold", True) else (0,)
     roles = CONFIG_OVERRIDES.get("qfold_roles", roles)  # benchmarks: one launch alone
+    kfold = CONFIG_OVERRIDES.get("kfold", True)
     for role in roles:
         block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg, ctas = _rows_config(HP, fp4, paged, sparse, sm90,
                                                                                          role)
-        nt = _program_tiles(R, L, block_n, tiles, ctas, q.device)
-        grid = (R, triton.cdiv(L, nt * block_n))
+        if role == 2 and kfold:  # it rescores the first launch's programs that ask for it: their columns
+            c1 = _rows_config(HP, fp4, paged, sparse, sm90, 1)
+            cols = _program_tiles(R, L, c1[0], c1[3], c1[7], q.device) * c1[0]
+        else:
+            cols = _program_tiles(R, L, block_n, tiles, ctas, q.device) * block_n
+        assert cols % block_n == 0 and cols <= tiles * block_n
+        grid = (R, triton.cdiv(L, cols))
         _rows_kernel[grid](
             _q_bytes(q), q_scale if q_scale is not None else dummy, weights, kv, kscale, a, b, bt, req, cand, logits,
             H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, formats.log2_block_size(block_size),
-            page_stride, ncand, formats.log2_block_size(cbs), weights.stride(0), nt * block_n,
+            page_stride, ncand, formats.log2_block_size(cbs), weights.stride(0), cols,
             HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
             BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load, PACK_IDS=pack_ids and sparse,
-            DOT_SCALED=dot_scaled, USE_ASM=_USE_ASM, QFOLD=role, num_warps=warps, maxnreg=maxnreg)
+            DOT_SCALED=dot_scaled, USE_ASM=_USE_ASM, QFOLD=role, KFOLD=kfold,
+            num_warps=warps, maxnreg=maxnreg)
 
 
 def _prefill_dense_config(HP: int, fp4: bool):
