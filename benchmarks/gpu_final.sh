@@ -68,7 +68,7 @@ run_file() {  # run_file SECONDS FILE...   (SKIP_FILES="test_oracle test_fuzz" s
 }
 
 if [[ $PARTS == *,tests,* ]]; then
-  run_file 120 tests/test_triton_kernels.py -k "not deepgemm"
+  run_file 220 tests/test_triton_kernels.py -k "not deepgemm"
   run_file 180 tests/test_topk_cuda.py
   run_file 90 tests/test_capture_gpu.py
   run_file 60 tests/test_oracle.py

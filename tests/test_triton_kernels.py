@@ -328,17 +328,21 @@ def _pinned_groups(x, exps):
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
 def test_mxfp4_query_scales_fold_or_not(D, dense, seed, gen):
     """Decode rows whose query group scales fold into the operands (groups within 14 binades of the head's
-    largest, dead all-zero groups ignored: the fold launch) next to rows that need per-group multiplies (a head
-    spanning 15 or 52 binades: the other launch), in one call; every row is scored by exactly one launch. K's
-    group 1 is large where the queries' is small, so folding a 15-binade head (off by 2x there) fails this test."""
+    largest, dead all-zero groups ignored) next to rows that need per-group multiplies (a head spanning 15 or 52
+    binades), in one call. K's group 1 is large where the queries' is small, so folding a 15-binade head (off by
+    2x there) fails this test."""
     rng = random.Random(seed)
     G = D // 32
     H, bs = 16, 64
     seq = [300, 129, 64]
-    # K's group 1 is 2^18 larger, so a tiny query group 1 dominates (an inexact fold of it would show)
-    kscale = torch.tensor([1.0, 2.0 ** 18, 1.0, 1.0][:G]).repeat_interleave(32)
-    case = testing.make_paged_cache(seq, bs, D, "mxfp4", device=DEV, gen=gen,
-                                    rows=lambda n: torch.randn(n, D, generator=gen) * kscale)
+    def rows(n):
+        # K's group 1 is 2^11 larger (the most that still folds) and its other groups hold one element each, so a
+        # tiny query group 1 carries most of a score (a misfold of it shows)
+        x = _pinned_groups(torch.randn(n, D, generator=gen), [0, 11, 0, 0][:G]).unflatten(-1, (G, 32))
+        x[:, [g for g in range(G) if g != 1], 1:] = 0
+        return x.flatten(-2)
+
+    case = testing.make_paged_cache(seq, bs, D, "mxfp4", device=DEV, gen=gen, rows=rows)
     R = 9
     reqs = torch.tensor([r % 3 for r in range(R)], dtype=torch.int32, device=DEV)
     lens = torch.tensor([seq[r % 3] for r in range(R)], dtype=torch.int32, device=DEV)
@@ -350,6 +354,11 @@ def test_mxfp4_query_scales_fold_or_not(D, dense, seed, gen):
         kind = r % 4
         if kind in spans:
             q[r] = _pinned_groups(q[r], spans[kind])
+            if kind < 2:  # K's lone elements meet zeros: the scores come from group 1, at 14 / 15 binades down
+                for g in range(G):
+                    if g != 1:
+                        q[r, :, 32 * g + 1] = q[r, :, 32 * g]
+                        q[r, :, 32 * g] = 0
         else:  # a dead (all-zero) group, its scale 2^-14 the floor's, next to groups of 2^8: folds
             q[r] *= 2.0 ** 8
             q[r, :, 32:64] = 0

@@ -139,8 +139,8 @@ def _e2m1_value(code):
 @triton.jit
 def _q_fold_base(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.constexpr):
     """MXFP4 queries: per head the largest exponent ``C`` among its live groups (a group with a nonzero code) and
-    ``ok``: every head's live groups lie within 14 binades of its ``C`` (then :func:`_q_fold_group` is exact).
-    Returns ``(C [MQ], ok scalar, scale words [MQ], packed bytes [MQ, 16] of groups 0..3)``."""
+    ``ok``: every head's live groups lie within 14 binades of its ``C`` (then :func:`_q_fold_halves` is exact).
+    Returns ``(C [MQ], ok scalar, scale words [MQ])``."""
     qw = tl.load(qs_ptr + qsidx, mask=qmask, other=0)
     b0 = _q_group_bytes(q_ptr, qrow, qmask, 0)
     b1 = _q_group_bytes(q_ptr, qrow, qmask, 1)
@@ -163,25 +163,16 @@ def _q_fold_base(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.cons
     okh = ((~live0 | (c - e0 <= 14)) & (~live1 | (c - e1 <= 14)) & (~live2 | (c - e2 <= 14))
            & (~live3 | (c - e3 <= 14)))
     ok = tl.min(okh.to(tl.int32), axis=0) == 1
-    return c, ok, qw, b0, b1, b2, b3
-
-
-@triton.jit
-def _q_fold_group(b, e, c, MQ: tl.constexpr):
-    """Packed group bytes ``b [MQ, 16]`` with exponent ``e [MQ]`` -> ``[MQ, 32]`` e4m3 of ``value * 2^(6 - (c - e))``
-    in element order: exact for ``0 <= c - e <= 14`` (e4m3 holds 0.5 * 2^-8 .. 6 * 2^6); a dead group's zeros
-    stay zeros whatever its exponent."""
-    f = ((133 - tl.minimum(tl.maximum(c - e, 0), 14)) << 23).to(tl.float32, bitcast=True)
-    bi = b.to(tl.int32)
-    lo = _e2m1_value(bi & 15) * f[:, None]
-    hi = _e2m1_value(bi >> 4) * f[:, None]
-    return tl.reshape(tl.join(lo, hi), (MQ, 32)).to(tl.float8e4nv)
+    return c, ok, qw
 
 
 @triton.jit
 def _q_fold_halves(q_ptr, qrow, qmask, qw, c, MQ: tl.constexpr, D: tl.constexpr):
-    """MXFP4 queries folded as in :func:`_q_fold_group`, for the K-folded tiles (:func:`_kfold_operands`): returns
-    ``(q1, q2)``, each ``[MQ, D/2]`` e4m3, column ``4i + k`` holding element ``8i + k`` (q1) or ``8i + 4 + k`` (q2)."""
+    """MXFP4 queries ``[MQ, D]`` (packed bytes at ``qrow``, scale words ``qw``) folded into e4m3 operands for the
+    K-folded tiles (:func:`_kfold_operands`): each element as ``value * 2^(6 - (c - e))``, ``c`` its head's largest
+    live-group exponent (:func:`_q_fold_base`), exact for ``c - e <= 14`` (e4m3 holds 0.5 * 2^-8 .. 6 * 2^6; a
+    dead group's zeros stay zeros whatever its exponent). Returns ``(q1, q2)``, each ``[MQ, D/2]``, column
+    ``4i + k`` holding element ``8i + k`` (q1) or ``8i + 4 + k`` (q2)."""
     VB: tl.constexpr = D // 2
     d = tl.arange(0, VB)
     b = tl.load(q_ptr + tl.multiple_of(qrow, 16)[:, None] + d[None, :], mask=qmask[:, None], other=0).to(tl.int32)
@@ -205,26 +196,6 @@ _KF_SPAN = tl.constexpr(11)
 
 
 @triton.jit
-def _marker_ptr(out_ptr):
-    """``out_ptr`` (fp32 or bf16 logits) as integers of the same width."""
-    if out_ptr.dtype.element_ty == tl.float32:
-        return out_ptr.to(tl.pointer_type(tl.int32))
-    else:
-        return out_ptr.to(tl.pointer_type(tl.int16))
-
-
-@triton.jit
-def _marker(out_ptr):
-    """A NaN with a payload no arithmetic produces (GPUs return the canonical NaN), as the bits of a logit: the
-    K-folded launch leaves it in the first column of a program's columns to have the second launch score them
-    again (which overwrites it)."""
-    if out_ptr.dtype.element_ty == tl.float32:
-        return tl.full((), 0x7FA5A5A5, tl.int32)
-    else:
-        return tl.full((), 0x7FA5, tl.int16)
-
-
-@triton.jit
 def _kfold_operands(kb, d, USE_ASM: tl.constexpr):
     """``kb [R, VB]`` packed e2m1 bytes and ``d [R, VB]`` int32 (each byte's group: its token's largest group
     exponent minus the group's, at most ``_KF_SPAN``) -> ``(a1, a2)`` ``[R, VB]`` e4m3 of ``value * 2^(6 - d)``,
@@ -236,16 +207,13 @@ def _kfold_operands(kb, d, USE_ASM: tl.constexpr):
         # through a byte permute of w and w << 4.
         l0 = _KF_LUT0 - d * _KF_STEP0
         l1 = _KF_LUT1 - d * _KF_STEP1
-        # (two single-result asm ops: the layout pass then loads the bytes straight into the MMA operand layout;
-        # with one two-result op it went through shared memory)
-        a1 = tl.inline_asm_elementwise(
-            "{ .reg .b32 m, s; and.b32 m, $1, 0x77777777; prmt.b32 $0, $2, $6, m; shl.b32 s, $1, 4; "
-            "prmt.b32 s, s, $1, 0x5140; and.b32 s, s, 0x80808080; or.b32 $0, $0, s; }",
-            "=r,r,r,r,r,r,r,r,r,r", [kb, l0, l1], dtype=tl.uint8, is_pure=True, pack=4)
-        a2 = tl.inline_asm_elementwise(
-            "{ .reg .b32 m, s; and.b32 m, $1, 0x77777777; shr.b32 m, m, 16; prmt.b32 $0, $2, $6, m; "
-            "shl.b32 s, $1, 4; prmt.b32 s, s, $1, 0x7362; and.b32 s, s, 0x80808080; or.b32 $0, $0, s; }",
-            "=r,r,r,r,r,r,r,r,r,r", [kb, l0, l1], dtype=tl.uint8, is_pure=True, pack=4)
+        # (the MMA takes the result through shared memory: triton moves its register layout only through
+        # elementwise ops of one operand)
+        a1, a2 = tl.inline_asm_elementwise(
+            "{ .reg .b32 m, s, t; and.b32 m, $2, 0x77777777; prmt.b32 $0, $3, $7, m; shr.b32 m, m, 16; "
+            "prmt.b32 $1, $3, $7, m; shl.b32 t, $2, 4; prmt.b32 s, t, $2, 0x5140; and.b32 s, s, 0x80808080; "
+            "or.b32 $0, $0, s; prmt.b32 s, t, $2, 0x7362; and.b32 s, s, 0x80808080; or.b32 $1, $1, s; }",
+            "=r,=r,r,r,r,r,r,r,r,r,r", [kb, l0, l1], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
     else:
         R: tl.constexpr = kb.shape[0]
         VB: tl.constexpr = kb.shape[1]
@@ -295,28 +263,23 @@ def _kfold_tile(kv_ptr, koff, sc_ptr, sidx, kmask, q1, q2, D: tl.constexpr, BLOC
 
 
 @triton.jit
-def _group_scale(word, g: tl.constexpr, sq, QF: tl.constexpr):
-    """Multiplier of group ``g``'s partial sums: the tokens' ``2^ek`` ``[BLOCK_N, 1]``, times the heads' ``2^eq``
-    ``sq [MQ]`` unless the queries carry it (``QF``)."""
-    sk = _ue8m0(word, g)[:, None]
-    if QF:
-        return sk
-    else:
-        return sk * sq[None, :]
+def _group_scale(word, g: tl.constexpr, sq):
+    """Multiplier of group ``g``'s partial sums: the tokens' ``2^ek`` ``[BLOCK_N, 1]`` times the heads' ``2^eq``
+    ``sq [MQ]``."""
+    return _ue8m0(word, g)[:, None] * sq[None, :]
 
 
 @triton.jit
 def _tile_scores(kv_ptr, koff, sc_ptr, sidx, kmask, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb, wv,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, MQ: tl.constexpr, FP4: tl.constexpr,
-                 DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr, QF: tl.constexpr = False):
+                 DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
     """Weighted-relu head terms of one K tile: returns ``(relu(q.k) * w [BLOCK_N, MQ], k_scale [BLOCK_N])``.
 
     ``koff [BLOCK_N]`` int64 byte offsets of each token's values; its scale word is ``sc_ptr[sidx]`` (fp32 for
     FP8, int32 UE8M0 bytes for MXFP4).
-    FP8: ``q8 [MQ, D]``. MXFP4 (SM90): per-group e4m3 queries ``qg* [MQ, 32]`` and their fp32 scales
-    ``sq* [MQ]``; ``QF``: queries with their group scales folded in (:func:`_q_fold_group`), ``sq*`` unused, so
-    each group's partial sum takes only its token's scale (one multiply-add per element instead of two and no
-    per-head scale registers). MXFP4 (SM100): packed queries ``qp [MQ, D/2]`` and scale bytes ``qsb [MQ, D/32]``.
+    FP8: ``q8 [MQ, D]``. MXFP4 (SM90, per-group: see :func:`_kfold_tile` for the folded tiles): per-group e4m3
+    queries ``qg* [MQ, 32]`` and their fp32 scales ``sq* [MQ]``. MXFP4 (SM100): packed queries ``qp [MQ, D/2]``
+    and scale bytes ``qsb [MQ, D/32]``.
     """
     koff = tl.multiple_of(koff, 16)
     if FP4:
@@ -329,17 +292,17 @@ def _tile_scores(kv_ptr, koff, sc_ptr, sidx, kmask, q8, qg0, qg1, qg2, qg3, sq0,
             d = tl.arange(0, 16)
             kb = tl.load(kv_ptr + koff[:, None] + d[None, :], mask=kmask[:, None], other=0)
             part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg0))
-            acc = part * _group_scale(word, 0, sq0, QF)
+            acc = part * _group_scale(word, 0, sq0)
             kb = tl.load(kv_ptr + koff[:, None] + 16 + d[None, :], mask=kmask[:, None], other=0)
             part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg1))
-            acc += part * _group_scale(word, 1, sq1, QF)
+            acc += part * _group_scale(word, 1, sq1)
             if D == 128:
                 kb = tl.load(kv_ptr + koff[:, None] + 32 + d[None, :], mask=kmask[:, None], other=0)
                 part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg2))
-                acc += part * _group_scale(word, 2, sq2, QF)
+                acc += part * _group_scale(word, 2, sq2)
                 kb = tl.load(kv_ptr + koff[:, None] + 48 + d[None, :], mask=kmask[:, None], other=0)
                 part = tl.dot(_fp4_group_to_fp8(kb, BLOCK_N, USE_ASM), tl.trans(qg3))
-                acc += part * _group_scale(word, 3, sq3, QF)
+                acc += part * _group_scale(word, 3, sq3)
         ksc = tl.full((BLOCK_N,), 1.0, tl.float32)
     else:
         d = tl.arange(0, D)
@@ -402,7 +365,7 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
                  HP: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr, PAGED: tl.constexpr, SPARSE: tl.constexpr,
                  HAS_REQ: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, NUM_STAGES: tl.constexpr,
                  IDX_LOAD: tl.constexpr, PACK_IDS: tl.constexpr, DOT_SCALED: tl.constexpr,
-                 USE_ASM: tl.constexpr, QFOLD: tl.constexpr = 0, KFOLD: tl.constexpr = True):
+                 USE_ASM: tl.constexpr, QFOLD: tl.constexpr = 0):
     """Program (row, chunk): columns ``[chunk * COLS, (chunk + 1) * COLS)`` of one query row; ``COLS`` is a
     multiple of ``BLOCK_N`` and at most ``TILES * BLOCK_N`` (a runtime value: see ``_row_tiles``).
 
@@ -414,9 +377,10 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     barriers) instead of gathering them from vectors loaded once per program. ``PACK_IDS`` (sparse, without
     ``IDX_LOAD``): one gather per tile of (page << 32 | block id), the block id -1 where the slot is invalid,
     instead of three gathers (block id, validity, page).
-    ``QFOLD`` (MXFP4 on SM90): 1 scores only the rows whose query group scales fold into the e4m3 operands exactly
-    (:func:`_q_fold_base`), 2 only the others (per-group scale multiplies); the launcher runs both, so every row is
-    scored by exactly one of them. 0 scores every row the per-group way.
+    ``QFOLD`` (MXFP4 on SM90): 1 scores a program's tiles with the query's and K's group scales folded into the
+    e4m3 operands (:func:`_q_fold_base`, :func:`_kfold_tile`) and scores them again the per-group way when some
+    scale did not fold exactly (a query head spanning more than 14 binades, a token more than ``_KF_SPAN``);
+    0 scores every tile the per-group way.
     """
     BS = 1 << LBS
     CBS = 1 << LCBS
@@ -445,24 +409,8 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     wv = tl.load(w_ptr + row.to(tl.int64) * W_STRIDE + h, mask=hmask, other=0.0).to(tl.float32)
     c_lo = chunk * COLS
     c_hi = tl.minimum(c_lo + COLS, L)
-    KF: tl.constexpr = QFOLD == 1 and KFOLD
     if QFOLD == 1:
-        qc, q_ok, qw, b0, b1, b2, b3 = _q_fold_base(q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D)
-        if not q_ok:
-            return  # the other launch's row
-    if QFOLD == 2:
-        qc, q_ok, qw, b0, b1, b2, b3 = _q_fold_base(q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D)
-        if q_ok:
-            if not KFOLD:
-                return  # the other launch's row
-            # the first launch's program over these columns asks for them to be scored again (_RESCORE)
-            if tl.load(_marker_ptr(out_ptr) + row.to(tl.int64) * OUT_STRIDE + c_lo) != _marker(out_ptr):
-                return
-    if QFOLD != 1:
-        q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
-            q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D, FP4, DOT_SCALED, USE_ASM)
-        if FP4 and not DOT_SCALED:
-            wv = wv * 4096.0  # the 2^-6 * 2^-6 of the e4m3 re-encoding
+        qc, q_ok, qw = _q_fold_base(q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D)
     if SPARSE:
         c_mid = c_hi
     else:
@@ -504,96 +452,94 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
             p0 = c_lo >> LBS
             pi = p0 + tl.arange(0, NPG)
             pagev = tl.load(bt_row + pi, mask=(pi < MB) & ((pi << LBS) < tl.minimum(n, c_hi)), other=-1)
-    if QFOLD == 1:
-        if KF:
-            # K's group scales fold into its e4m3 operand too (one accumulator, two K = D/2 MMAs, no per-group
-            # multiplies) for tokens whose groups span at most _KF_SPAN binades (K written from real activations
-            # has no others); a program that meets another asks the second launch to score its columns again
-            q1, q2 = _q_fold_halves(q_ptr, qrow, hmask, qw, qc, HP, D)
-            # operands: 2^(6 + e - c) per query group, 2^(6 + e - ref) per K group; ksc = 2^(ref - 127)
-            wv = wv * _ue8m0(qc, 0) * (1.0 / 4096.0)
-            badv = tl.zeros((BLOCK_N,), tl.int32)
+    # QFOLD = 1: the folded tiles first (rows whose queries fold), then, where a scale did not fold, every tile of the
+    # program the per-group way (overwriting the columns). K written from real activations never needs the second.
+    nbad = c_lo * 0
+    for mode in tl.static_range(2 if QFOLD == 1 else 1):
+        if QFOLD == 1 and mode == 0:
+            go = q_ok
+        elif QFOLD == 1:
+            go = (q_ok == 0) | (nbad != 0)
         else:
-            q8 = tl.zeros((16, 32), tl.uint8)
-            qg0 = _q_fold_group(b0, qw & 0xFF, qc, HP)
-            qg1 = _q_fold_group(b1, (qw >> 8) & 0xFF, qc, HP)
-            qg2 = _q_fold_group(b2, (qw >> 16) & 0xFF, qc, HP)
-            qg3 = _q_fold_group(b3, (qw >> 24) & 0xFF, qc, HP)
-            sq0 = tl.full((HP,), 1.0, tl.float32)
-            sq1 = sq0
-            sq2 = sq0
-            sq3 = sq0
-            qp = tl.zeros((16, 16), tl.uint8)
-            qsb = tl.zeros((16, 4), tl.uint8)
-            # the folded queries carry 2^(e - c) * 2^6 and K's re-encoding 2^-6: the head's 2^(c - 127) remains
-            wv = wv * _ue8m0(qc, 0)
-    for c0 in tl.range(c_lo, c_mid, BLOCK_N, num_stages=NUM_STAGES):
-        cols = c0 + offs
-        cmask = cols < c_hi
-        if SPARSE:
-            if IDX_LOAD:
-                slot = cols >> LCBS
-                blk = tl.load(cand_row + slot, mask=cmask & (slot < NCAND), other=-1)
-                valid = cmask & (blk >= 0) & (blk < nblk)
-            elif PACK_IDS:
-                li = tl.minimum((cols - c_lo) >> LCBS, NS - 1)
+            go = c_lo >= 0
+        if go:
+            if QFOLD == 1 and mode == 0:
+                q1, q2 = _q_fold_halves(q_ptr, qrow, hmask, qw, qc, HP, D)
+                # operands: 2^(6 + e - c) per query group, 2^(6 + e - ref) per K group; ksc = 2^(ref - 127)
+                wk = wv * _ue8m0(qc, 0) * (1.0 / 4096.0)
+                badv = tl.zeros((BLOCK_N,), tl.int32)
+            else:
+                q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2, sq3, qp, qsb = _load_queries(
+                    q_ptr, qs_ptr, qrow, row.to(tl.int64) * H + h, hmask, HP, D, FP4, DOT_SCALED, USE_ASM)
+                wk = wv
+                if FP4 and not DOT_SCALED:
+                    wk = wv * 4096.0  # the 2^-6 * 2^-6 of the e4m3 re-encoding
+            for c0 in tl.range(c_lo, c_mid, BLOCK_N, num_stages=NUM_STAGES):
+                cols = c0 + offs
+                cmask = cols < c_hi
+                if SPARSE:
+                    if IDX_LOAD:
+                        slot = cols >> LCBS
+                        blk = tl.load(cand_row + slot, mask=cmask & (slot < NCAND), other=-1)
+                        valid = cmask & (blk >= 0) & (blk < nblk)
+                    elif PACK_IDS:
+                        li = tl.minimum((cols - c_lo) >> LCBS, NS - 1)
+                        if PAGED:
+                            pk = tl.gather(pkv, li, 0)
+                            blk = pk.to(tl.int32)  # the low half: the block id, -1 if invalid
+                            page = (pk >> 32).to(tl.int32)
+                        else:
+                            blk = tl.gather(blkv, li, 0)
+                        valid = cmask & (blk >= 0)
+                    else:
+                        li = tl.minimum((cols - c_lo) >> LCBS, NS - 1)
+                        blk = tl.gather(blkv, li, 0)
+                        valid = cmask & tl.gather(bval.to(tl.int32), li, 0).to(tl.int1)
+                    pos = tl.where(valid, (blk << LCBS) + (cols & (CBS - 1)), 0)
+                    valid = valid & (pos < n)
+                    if PAGED:
+                        if IDX_LOAD:
+                            page = tl.load(bt_row + (pos >> LBS), mask=valid, other=-1)
+                        elif not PACK_IDS:
+                            page = tl.gather(pagev, li, 0)
+                else:
+                    pos = cols
+                    valid = cmask & (pos < n)
+                    if PAGED:
+                        if IDX_LOAD:
+                            page = tl.load(bt_row + (cols >> LBS), mask=valid, other=-1)
+                        else:
+                            page = tl.gather(pagev, tl.minimum(tl.maximum((cols >> LBS) - p0, 0), NPG - 1), 0)
                 if PAGED:
-                    pk = tl.gather(pkv, li, 0)
-                    blk = pk.to(tl.int32)  # the low half: the block id, -1 if invalid
-                    page = (pk >> 32).to(tl.int32)
+                    valid = valid & (page >= 0) & (page < NB_CACHE)
+                    page = tl.where(valid, page, 0).to(tl.int64)
+                    off = (pos & (BS - 1)).to(tl.int64)
+                    # page stride % 16 == 0 is checked on the host (supports): 16-byte vector copies
+                    koff = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
+                    sidx = page * (PAGE_STRIDE // 4) + BS * (VB // 4) + off
+                    if QFOLD == 1 and mode == 0:
+                        acc, ref, bad = _kfold_tile(kv_ptr, koff, sc_base, sidx, valid, q1, q2, D, BLOCK_N, USE_ASM)
+                        terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wk[None, :]
+                        ksc = _ue8m0(ref, 0)
+                        badv = badv | bad.to(tl.int32)
+                    else:
+                        terms, ksc = _tile_scores(kv_ptr, koff, sc_base, sidx, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2,
+                                                  sq3, qp, qsb, wk, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM)
                 else:
-                    blk = tl.gather(blkv, li, 0)
-                valid = cmask & (blk >= 0)
-            else:
-                li = tl.minimum((cols - c_lo) >> LCBS, NS - 1)
-                blk = tl.gather(blkv, li, 0)
-                valid = cmask & tl.gather(bval.to(tl.int32), li, 0).to(tl.int1)
-            pos = tl.where(valid, (blk << LCBS) + (cols & (CBS - 1)), 0)
-            valid = valid & (pos < n)
-            if PAGED:
-                if IDX_LOAD:
-                    page = tl.load(bt_row + (pos >> LBS), mask=valid, other=-1)
-                elif not PACK_IDS:
-                    page = tl.gather(pagev, li, 0)
-        else:
-            pos = cols
-            valid = cmask & (pos < n)
-            if PAGED:
-                if IDX_LOAD:
-                    page = tl.load(bt_row + (cols >> LBS), mask=valid, other=-1)
-                else:
-                    page = tl.gather(pagev, tl.minimum(tl.maximum((cols >> LBS) - p0, 0), NPG - 1), 0)
-        if PAGED:
-            valid = valid & (page >= 0) & (page < NB_CACHE)
-            page = tl.where(valid, page, 0).to(tl.int64)
-            off = (pos & (BS - 1)).to(tl.int64)
-            # page stride % 16 == 0 is checked on the host (supports): 16-byte vector copies
-            koff = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
-            sidx = page * (PAGE_STRIDE // 4) + BS * (VB // 4) + off
-            if KF:
-                acc, ref, bad = _kfold_tile(kv_ptr, koff, sc_base, sidx, valid, q1, q2, D, BLOCK_N, USE_ASM)
-                terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wv[None, :]
-                ksc = _ue8m0(ref, 0)
-                badv = badv | bad.to(tl.int32)
-            else:
-                terms, ksc = _tile_scores(kv_ptr, koff, sc_base, sidx, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2,
-                                          sq3, qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM, QFOLD == 1)
-        else:
-            key = tl.where(valid, ks_row + pos, 0).to(tl.int64)
-            if KF:
-                acc, ref, bad = _kfold_tile(kv_ptr, key * VB, ksc_ptr, key, valid, q1, q2, D, BLOCK_N, USE_ASM)
-                terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wv[None, :]
-                ksc = _ue8m0(ref, 0)
-                badv = badv | bad.to(tl.int32)
-            else:
-                terms, ksc = _tile_scores(kv_ptr, key * VB, ksc_ptr, key, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1,
-                                          sq2, sq3, qp, qsb, wv, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM, QFOLD == 1)
-        logit = tl.sum(terms, axis=1) * ksc
-        logit = tl.where(valid, logit, float("-inf"))
-        tl.store(out_row + cols, logit.to(out_ptr.dtype.element_ty), mask=cmask)
-    if KF:
-        if tl.max(badv, 0) != 0:  # (after the reduction's barrier: every column's store above is done)
-            tl.store(_marker_ptr(out_ptr) + row.to(tl.int64) * OUT_STRIDE + c_lo, _marker(out_ptr))
+                    key = tl.where(valid, ks_row + pos, 0).to(tl.int64)
+                    if QFOLD == 1 and mode == 0:
+                        acc, ref, bad = _kfold_tile(kv_ptr, key * VB, ksc_ptr, key, valid, q1, q2, D, BLOCK_N, USE_ASM)
+                        terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wk[None, :]
+                        ksc = _ue8m0(ref, 0)
+                        badv = badv | bad.to(tl.int32)
+                    else:
+                        terms, ksc = _tile_scores(kv_ptr, key * VB, ksc_ptr, key, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1,
+                                                  sq2, sq3, qp, qsb, wk, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM)
+                logit = tl.sum(terms, axis=1) * ksc
+                logit = tl.where(valid, logit, float("-inf"))
+                tl.store(out_row + cols, logit.to(out_ptr.dtype.element_ty), mask=cmask)
+            if QFOLD == 1 and mode == 0:
+                nbad = tl.max(badv, 0)  # (its barrier orders the column stores above before the rescoring's)
     ninf = tl.full((BLOCK_N,), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
     for c0 in range(c_lo + tl.cdiv(c_mid - c_lo, BLOCK_N) * BLOCK_N, c_hi, BLOCK_N):
         cols = c0 + offs
@@ -859,12 +805,13 @@ _ROW_WIDE = (128, 4, 3, _ROW_TILES, True, False, None, None)
 # on another GPU a wrong count only changes that estimate).
 _ROW_SPARSE_DECODE = {False: (128, 4, 3, 2 * _ROW_TILES, False, True, None, 3),
                       True: (64, 4, 3, 4 * _ROW_TILES, False, True, None, 2)}
-# MXFP4 with the query scales folded into the operands (QFOLD = 1): 130 instead of 232 registers (local sm_90a
-# compile), so three CTAs share an SM (benchmarks/NOTES.md, session 8). The launch for the rows that do not fold
-# (QFOLD = 2) takes a whole 16K-column row per program (ids loaded per tile): on ordinary queries its programs only
-# read the query scales and leave (6.6 us in all with 128 programs, 7.3 with 512: runs 45-46).
-_ROW_SPARSE_DECODE_QFOLD = {1: (64, 4, 3, 4 * _ROW_TILES, False, True, 96, 5),
-                            2: (64, 4, 3, 16 * _ROW_TILES, True, False, None, None)}
+# MXFP4 with the query and K group scales folded into the e4m3 operands (QFOLD = 1; benchmarks/NOTES.md, session 9):
+# the per-group rescoring in the same kernel (a query or token whose scales do not fold: none in real activations)
+# needs 230+ registers and spills under the cap, which only the folded tiles have to fit. Paged sparse decode:
+# 128-token tiles on one warpgroup, three CTAs per SM, measured 119 us at the target shape (64-token tiles with four
+# CTAs 136 us, the per-group kernel 164: run 50). Elsewhere (no target shape) 64-token tiles, four CTAs per SM.
+_ROW_SPARSE_DECODE_QFOLD = (128, 4, 3, 2 * _ROW_TILES, False, True, 168, 3)
+_ROW_QFOLD = (64, 4, 3, _ROW_TILES, False, False, 128, 4)
 # FP8 dense decode on SM90, up to 64 heads: two stages and at most 96 registers per thread let 5 CTAs share an
 # SM (3 with three stages: shared memory; 4 at 112 registers), more K tiles in flight per SM than deeper
 # per-CTA pipelines give: 128 x 128K measured 696 -> 614-620 us on the H200 (benchmarks/NOTES.md, v5). Sparse
@@ -878,15 +825,17 @@ _ROW_DENSE_DECODE = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, 5)
 _ROW_SPARSE_PREFILL = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, None)
 
 
-def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True, sm90: bool = True, qfold: int = 0):
+def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True, sm90: bool = True, qfold: bool = False):
     """(BLOCK_N, warps, stages, tiles per program (at most), per-tile index loads, packed ids, register cap or
-    None, CTAs per SM or None) of the row kernel (``qfold``: its ``QFOLD``); an override may stop after any leading
-    prefix of that tuple (the rest come from the default)."""
+    None, CTAs per SM or None) of the row kernel (``qfold``: ``QFOLD = 1``); an override may stop after any
+    leading prefix of that tuple (the rest come from the default)."""
     if "rows" in CONFIG_OVERRIDES:
         cfg = tuple(CONFIG_OVERRIDES["rows"])
         return cfg + _ROW_DEFAULT[len(cfg):]
+    if fp4 and qfold:
+        return _ROW_SPARSE_DECODE_QFOLD if paged and sparse else _ROW_QFOLD
     if paged and sparse:
-        return _ROW_SPARSE_DECODE_QFOLD[qfold] if fp4 and qfold else _ROW_SPARSE_DECODE[fp4]
+        return _ROW_SPARSE_DECODE[fp4]
     if not fp4 and HP <= 64 and paged != sparse and sm90:
         return _ROW_DENSE_DECODE if paged else _ROW_SPARSE_PREFILL
     if not fp4 and paged != sparse:
@@ -961,29 +910,19 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
         N = kv.shape[0]
     cand = candidate_blocks if sparse else dummy
     ncand = candidate_blocks.shape[1] if sparse else 1
-    # MXFP4 on SM90: rows whose query scales fold into the operands (nearly all) in one launch, the rest in another
-    # (each program reads its row's query scales and leaves the other launch's rows alone).
-    roles = (1, 2) if fp4 and not dot_scaled and CONFIG_OVERRIDES.get("qfold", True) else (0,)
-    roles = CONFIG_OVERRIDES.get("qfold_roles", roles)  # benchmarks: one launch alone
-    kfold = CONFIG_OVERRIDES.get("kfold", True)
-    for role in roles:
-        block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg, ctas = _rows_config(HP, fp4, paged, sparse, sm90,
-                                                                                         role)
-        if role == 2 and kfold:  # it rescores the first launch's programs that ask for it: their columns
-            c1 = _rows_config(HP, fp4, paged, sparse, sm90, 1)
-            cols = _program_tiles(R, L, c1[0], c1[3], c1[7], q.device) * c1[0]
-        else:
-            cols = _program_tiles(R, L, block_n, tiles, ctas, q.device) * block_n
-        assert cols % block_n == 0 and cols <= tiles * block_n
-        grid = (R, triton.cdiv(L, cols))
-        _rows_kernel[grid](
-            _q_bytes(q), q_scale if q_scale is not None else dummy, weights, kv, kscale, a, b, bt, req, cand, logits,
-            H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, formats.log2_block_size(block_size),
-            page_stride, ncand, formats.log2_block_size(cbs), weights.stride(0), cols,
-            HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
-            BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load, PACK_IDS=pack_ids and sparse,
-            DOT_SCALED=dot_scaled, USE_ASM=_USE_ASM, QFOLD=role, KFOLD=kfold,
-            num_warps=warps, maxnreg=maxnreg)
+    # MXFP4 on SM90: scales folded into the operands, the per-group way where they do not fold (QFOLD = 1)
+    qfold = fp4 and not dot_scaled and CONFIG_OVERRIDES.get("qfold", True)
+    block_n, warps, stages, tiles, idx_load, pack_ids, maxnreg, ctas = _rows_config(HP, fp4, paged, sparse, sm90,
+                                                                                     qfold)
+    nt = _program_tiles(R, L, block_n, tiles, ctas, q.device)
+    grid = (R, triton.cdiv(L, nt * block_n))
+    _rows_kernel[grid](
+        _q_bytes(q), q_scale if q_scale is not None else dummy, weights, kv, kscale, a, b, bt, req, cand, logits,
+        H, L, logits.stride(0), N, nreq, mb, bt_stride, num_cache_blocks, formats.log2_block_size(block_size),
+        page_stride, ncand, formats.log2_block_size(cbs), weights.stride(0), nt * block_n,
+        HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
+        BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load, PACK_IDS=pack_ids and sparse,
+        DOT_SCALED=dot_scaled, USE_ASM=_USE_ASM, QFOLD=1 if qfold else 0, num_warps=warps, maxnreg=maxnreg)
 
 
 def _prefill_dense_config(HP: int, fp4: bool):
