@@ -5,15 +5,17 @@ Math (SPEC section 2): ``logit[i, j] = s_j * sum_h w[i, h] * relu(q[i, h] . k[j]
 
 * FP8: the e4m3 dot runs on the fp8 tensor cores (``tl.dot`` on ``float8e4nv``); the per-token K scale is
   applied once after the head sum.
-* MXFP4 on SM90 (no FP4 MMA): every e2m1 nibble is re-encoded in-register as the e4m3 byte of
-  ``value * 2^-6`` (exact: e4m3 subnormals hold 0.5 * 2^-6), so the dot still runs on the fp8 tensor cores,
-  one K=32 MMA per 32-element scale group; each group's partial sum is scaled by ``2^(eq + ek)`` and
-  accumulated in fp32. The ``2^12`` of the re-encoding is folded into the weights (relu is positively
-  homogeneous). The cache is read at half the FP8 bytes. The row kernel runs as two launches: rows whose
-  query heads keep their live groups within 14 binades of the head's largest scale carry the query group
-  scales in the e4m3 operands (exact there) and multiply each partial sum by the token's scale only (130
-  instead of 232 registers: three CTAs per SM), the other rows (none, for quantized real activations) take the
-  per-group multiplies; each program reads its row's query scales and leaves the other launch's rows alone.
+* MXFP4 on SM90 (no FP4 MMA): the dot still runs on the fp8 tensor cores, the e2m1 codes re-encoded
+  in-register as e4m3 bytes; the cache is read at half the FP8 bytes. The row kernel folds the scales into the
+  operands: a query head's groups as ``value * 2^(6 - (c - e))`` (``c`` its largest live-group exponent; exact
+  within 14 binades), a K token's as ``value * 2^(6 - (ref - e))`` (``ref`` its largest group exponent; exact
+  within 11 binades, looked up in a byte table moved down per group, two table permutes per 8 nibbles), so a
+  tile is two K = D/2 MMAs into one accumulator, the heads' ``2^(c - 127)`` in the weights and the token's
+  ``2^(ref - 127)`` applied after the head sum. A program that meets a query head or token whose scales do not
+  fold (none, in quantized real activations) scores its columns again the per-group way: every nibble as the
+  e4m3 byte of ``value * 2^-6`` (exact: e4m3 subnormals hold 0.5 * 2^-6), one K=32 MMA per 32-element group,
+  each group's partial sum scaled by ``2^(eq + ek)``, the ``2^12`` of the re-encoding in the weights (relu is
+  positively homogeneous). The other kernels take the per-group path.
 * MXFP4 on SM100 (``torch.cuda.get_device_capability() >= (10, 0)``): ``tl.dot_scaled`` with e2m1 operands
   and the UE8M0 scale bytes (block-scaled MMA).
 
@@ -452,8 +454,8 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
             p0 = c_lo >> LBS
             pi = p0 + tl.arange(0, NPG)
             pagev = tl.load(bt_row + pi, mask=(pi < MB) & ((pi << LBS) < tl.minimum(n, c_hi)), other=-1)
-    # QFOLD = 1: the folded tiles first (rows whose queries fold), then, where a scale did not fold, every tile of the
-    # program the per-group way (overwriting the columns). K written from real activations never needs the second.
+    # QFOLD = 1: the folded tiles first (rows whose queries fold), then, where a scale did not fold, every tile of
+    # the program the per-group way (overwriting the columns). Real activations never need the second pass.
     nbad = c_lo * 0
     for mode in tl.static_range(2 if QFOLD == 1 else 1):
         if QFOLD == 1 and mode == 0:
@@ -517,24 +519,19 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
                     # page stride % 16 == 0 is checked on the host (supports): 16-byte vector copies
                     koff = (page * (PAGE_STRIDE // 16) + off * (VB // 16)) * 16
                     sidx = page * (PAGE_STRIDE // 4) + BS * (VB // 4) + off
-                    if QFOLD == 1 and mode == 0:
-                        acc, ref, bad = _kfold_tile(kv_ptr, koff, sc_base, sidx, valid, q1, q2, D, BLOCK_N, USE_ASM)
-                        terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wk[None, :]
-                        ksc = _ue8m0(ref, 0)
-                        badv = badv | bad.to(tl.int32)
-                    else:
-                        terms, ksc = _tile_scores(kv_ptr, koff, sc_base, sidx, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1, sq2,
-                                                  sq3, qp, qsb, wk, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM)
+                    sc_tile = sc_base
                 else:
-                    key = tl.where(valid, ks_row + pos, 0).to(tl.int64)
-                    if QFOLD == 1 and mode == 0:
-                        acc, ref, bad = _kfold_tile(kv_ptr, key * VB, ksc_ptr, key, valid, q1, q2, D, BLOCK_N, USE_ASM)
-                        terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wk[None, :]
-                        ksc = _ue8m0(ref, 0)
-                        badv = badv | bad.to(tl.int32)
-                    else:
-                        terms, ksc = _tile_scores(kv_ptr, key * VB, ksc_ptr, key, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1,
-                                                  sq2, sq3, qp, qsb, wk, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM)
+                    sidx = tl.where(valid, ks_row + pos, 0).to(tl.int64)
+                    koff = sidx * VB
+                    sc_tile = ksc_ptr
+                if QFOLD == 1 and mode == 0:
+                    acc, ref, bad = _kfold_tile(kv_ptr, koff, sc_tile, sidx, valid, q1, q2, D, BLOCK_N, USE_ASM)
+                    terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wk[None, :]
+                    ksc = _ue8m0(ref, 0)
+                    badv = badv | bad.to(tl.int32)
+                else:
+                    terms, ksc = _tile_scores(kv_ptr, koff, sc_tile, sidx, valid, q8, qg0, qg1, qg2, qg3, sq0, sq1,
+                                              sq2, sq3, qp, qsb, wk, D, BLOCK_N, HP, FP4, DOT_SCALED, USE_ASM)
                 logit = tl.sum(terms, axis=1) * ksc
                 logit = tl.where(valid, logit, float("-inf"))
                 tl.store(out_row + cols, logit.to(out_ptr.dtype.element_ty), mask=cmask)
