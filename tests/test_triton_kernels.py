@@ -324,6 +324,31 @@ def _pinned_groups(x, exps):
     return (g * torch.tensor([2.0 ** e for e in exps])[:, None]).flatten(-2)
 
 
+def _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, nbk, rng, gen):
+    """Dense or sparse (``nbk`` candidate blocks of 8) paged decode on ``case`` against the reference: the whole
+    output (with reruns), then row by row (rows' magnitudes may differ by orders, a whole-tensor calc_diff hides
+    some)."""
+    R = qv.shape[0]
+    if dense:
+        ref = torch.empty(R, max(case.seq_lens), device=DEV)
+        reference.paged_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, ref)
+        run = lambda out: ops.paged_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, out)  # noqa: E731
+    else:
+        cbs = 8
+        cand = _candidates(rng, gen, lens.tolist(), nbk, cbs)
+        ref = torch.empty(R, nbk * cbs, device=DEV)
+        reference.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, cand, cbs, ref)
+        run = lambda out: ops.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs,  # noqa: E731
+                                                      cand, cbs, out)
+    with backends.use_backend("triton"):
+        _check(run, ref)
+        out = _poisoned(*ref.shape)
+        run(out)
+    for r in range(R):
+        diff = testing.calc_diff(out[r], ref[r])
+        assert diff < TOL, f"row {r}: calc_diff {diff}"
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
 def test_mxfp4_query_scales_fold_or_not(D, dense, seed, gen):
@@ -364,25 +389,7 @@ def test_mxfp4_query_scales_fold_or_not(D, dense, seed, gen):
             q[r, :, 32:64] = 0
     w = torch.randn(R, H, generator=gen) * H ** -0.5
     qv, qs, wf = formats.quantize_q(q.to(DEV), w.to(DEV), "mxfp4")
-    if dense:
-        L = max(seq)
-        ref = torch.empty(R, L, device=DEV)
-        reference.paged_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, ref)
-        run = lambda out: ops.paged_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, out)  # noqa: E731
-    else:
-        cbs, nbk = 8, 24
-        cand = _candidates(rng, gen, lens.tolist(), nbk, cbs)
-        ref = torch.empty(R, nbk * cbs, device=DEV)
-        reference.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, cand, cbs, ref)
-        run = lambda out: ops.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs,  # noqa: E731
-                                                      cand, cbs, out)
-    with backends.use_backend("triton"):
-        _check(run, ref)
-        out = _poisoned(*ref.shape)
-        run(out)
-    for r in range(R):  # row by row: the rows' magnitudes differ by orders, a whole-tensor calc_diff hides some
-        diff = testing.calc_diff(out[r], ref[r])
-        assert diff < TOL, f"row {r}: calc_diff {diff}"
+    _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, 24, rng, gen)
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -420,25 +427,7 @@ def test_mxfp4_key_scales_fold_or_rescore(D, dense, odd, seed, gen):
         q[r] = _pinned_groups(q[r], [-e for e in (span11 if r < 4 else span12)])
     w = torch.randn(R, H, generator=gen) * H ** -0.5
     qv, qs, wf = formats.quantize_q(q.to(DEV), w.to(DEV), "mxfp4")
-    if dense:
-        L = max(seq)
-        ref = torch.empty(R, L, device=DEV)
-        reference.paged_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, ref)
-        run = lambda out: ops.paged_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, out)  # noqa: E731
-    else:
-        cbs, nbk = 8, 10
-        cand = _candidates(rng, gen, lens.tolist(), nbk, cbs)
-        ref = torch.empty(R, nbk * cbs, device=DEV)
-        reference.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, cand, cbs, ref)
-        run = lambda out: ops.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs,  # noqa: E731
-                                                      cand, cbs, out)
-    with backends.use_backend("triton"):
-        _check(run, ref)
-        out = _poisoned(*ref.shape)
-        run(out)
-    for r in range(R):
-        diff = testing.calc_diff(out[r], ref[r])
-        assert diff < TOL, f"row {r}: calc_diff {diff}"
+    _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, 10, rng, gen)
 
 
 @pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
