@@ -23,11 +23,13 @@ DENSE = (128, 4, 2, 32, True, False, 96, 5)  # dense decode, up to 32 tiles per 
 # the folded kernel: other depths, caps and tile counts
 QF_VARIANTS = [(128, 4, 4, 32, False, True, 168, 3), (128, 4, 3, 32, False, True, 160, 3),
                (128, 4, 3, 32, False, True, 184, 2), (64, 4, 3, 64, False, True, 120, 4)]
+QF_DENSE = [(128, 4, 3, 16, False, False, 168, 3), (128, 4, 3, 16, True, False, 168, 3),
+            (64, 4, 3, 16, True, False, 128, 4)]
 SWEEP = {
     ("sparse", "fp8"): [(None, None)],
     ("sparse", "mxfp4"): [(None, None), (None, None, {"qfold": False})]
     + [(cfg, None) for cfg in QF_VARIANTS],
-    ("dense", "mxfp4"): [(None, None), (None, None, {"qfold": False})],
+    ("dense", "mxfp4"): [(None, None)] + [(cfg, None) for cfg in QF_DENSE] + [(None, None, {"qfold": False})],
     ("dense", "fp8"): [(None, None), (DENSE, None), (DENSE, 16), (DENSE, 20), (DENSE, 32)],
 }
 

@@ -805,9 +805,11 @@ _ROW_SPARSE_DECODE = {False: (128, 4, 3, 2 * _ROW_TILES, False, True, None, 3),
 # MXFP4 with the query and K group scales folded into the e4m3 operands (QFOLD = 1; benchmarks/NOTES.md, session 9):
 # the per-group rescoring in the same kernel (a query or token whose scales do not fold: none in real activations)
 # needs 230+ registers and spills under the cap, which only the folded tiles have to fit. Paged sparse decode:
-# 128-token tiles on one warpgroup, three CTAs per SM, measured 119 us at the target shape (64-token tiles with four
-# CTAs 136 us, the per-group kernel 164: run 50). Elsewhere (no target shape) 64-token tiles, four CTAs per SM.
+# 128-token tiles on one warpgroup, three CTAs per SM, measured 117-119 us at the target shape (64-token tiles with
+# four CTAs 136 us, the per-group kernel 164: runs 50-51); paged dense decode the same way 832 us at 128 x 128K
+# (64-token tiles 1004, per-group 1206: run 53). Packed K (prefill rows; not measured): 64-token tiles, four CTAs.
 _ROW_SPARSE_DECODE_QFOLD = (128, 4, 3, 2 * _ROW_TILES, False, True, 168, 3)
+_ROW_DENSE_DECODE_QFOLD = (128, 4, 3, _ROW_TILES, False, False, 168, 3)
 _ROW_QFOLD = (64, 4, 3, _ROW_TILES, False, False, 128, 4)
 # FP8 dense decode on SM90, up to 64 heads: two stages and at most 96 registers per thread let 5 CTAs share an
 # SM (3 with three stages: shared memory; 4 at 112 registers), more K tiles in flight per SM than deeper
@@ -830,7 +832,9 @@ def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True, sm
         cfg = tuple(CONFIG_OVERRIDES["rows"])
         return cfg + _ROW_DEFAULT[len(cfg):]
     if fp4 and qfold:
-        return _ROW_SPARSE_DECODE_QFOLD if paged and sparse else _ROW_QFOLD
+        if paged:
+            return _ROW_SPARSE_DECODE_QFOLD if sparse else _ROW_DENSE_DECODE_QFOLD
+        return _ROW_QFOLD
     if paged and sparse:
         return _ROW_SPARSE_DECODE[fp4]
     if not fp4 and HP <= 64 and paged != sparse and sm90:
