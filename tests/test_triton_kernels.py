@@ -354,12 +354,13 @@ def _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, nbk, rng, gen)
 def test_mxfp4_query_scales_fold_or_not(D, dense, seed, gen):
     """Decode rows whose query group scales fold into the operands (groups within 14 binades of the head's
     largest, dead all-zero groups ignored) next to rows that need per-group multiplies (a head spanning 15 or 52
-    binades), in one call. K's group 1 is large where the queries' is small, so folding a 15-binade head (off by
-    2x there) fails this test."""
+    binades), in one call. K's group 1 is large where the queries' is small, so folding a 15-binade head (its
+    half-step codes round off there) fails this test."""
     rng = random.Random(seed)
     G = D // 32
     H, bs = 16, 64
     seq = [300, 129, 64]
+
     def rows(n):
         # K's group 1 is 2^11 larger (the most that still folds) and its other groups hold one element each, so a
         # tiny query group 1 carries most of a score (a misfold of it shows)
