@@ -43,16 +43,18 @@ join_dg() {
   fi
 }
 
-[ -f torch_sparse_indexer/_C/libsparse_indexer_topk.so ] || bash csrc/build.sh > "$L/topk_build.log" 2>&1
+{ [ -f torch_sparse_indexer/_C/libsparse_indexer_topk.so ] && [ -f torch_sparse_indexer/_C/libsparse_indexer_scoring.so ]; } \
+  || bash csrc/build.sh > "$L/cuda_build.log" 2>&1
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,power.draw,temperature.gpu --format=csv
   python3 - <<'PY'
 import torch, triton, torch_sparse_indexer as tsi
 from torch_sparse_indexer import backends
-from torch_sparse_indexer.kernels import cuda_topk
+from torch_sparse_indexer.kernels import cuda_scoring, cuda_topk
 print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name(0))
-print("cuda top-k library:", cuda_topk.available(), getattr(cuda_topk, "_load_error", ""))
-for op in ("mqa_logits", "paged_sparse_mqa_logits", "topk", "indexer_decode", "write_k_cache"):
+print("cuda top-k library:", cuda_topk.available(), cuda_topk._LIB.load_error or "")
+print("cuda scoring library:", cuda_scoring.available(), cuda_scoring._LIB.load_error or "")
+for op in ("mqa_logits", "paged_mqa_logits", "paged_sparse_mqa_logits", "topk", "indexer_decode", "write_k_cache"):
     print(op, [b.name for b in backends.candidates(op)])
 PY
 } > "$L/env.txt" 2>&1
@@ -69,6 +71,7 @@ run_file() {  # run_file SECONDS FILE...   (SKIP_FILES="test_oracle test_fuzz" s
 
 if [[ $PARTS == *,tests,* ]]; then
   run_file 220 tests/test_triton_kernels.py -k "not deepgemm"
+  run_file 150 tests/test_cuda_scoring.py
   run_file 180 tests/test_topk_cuda.py
   run_file 90 tests/test_capture_gpu.py
   run_file 60 tests/test_oracle.py

@@ -1,5 +1,5 @@
-"""Scoring and cache kernels on the GPU: Triton (ours) vs DeepGEMM 2.8.2 (when importable) vs plain PyTorch
-(``torch_sparse_indexer.reference``), all in one process.
+"""Scoring and cache kernels on the GPU: ours (Triton, and the CUDA decode kernels) vs DeepGEMM 2.8.2 (when
+importable) vs plain PyTorch (``torch_sparse_indexer.reference``), all in one process.
 
 Shapes (H = 64, D = 128 unless a row says otherwise; ANCHORS section 7 for DeepGEMM's figures):
 
@@ -27,6 +27,7 @@ import triton.language as tl
 
 import common
 from torch_sparse_indexer import formats, reference, testing
+from torch_sparse_indexer.kernels import cuda_scoring as cs
 from torch_sparse_indexer.kernels import triton_cache as tc
 from torch_sparse_indexer.kernels import triton_scoring as ts
 
@@ -99,17 +100,19 @@ def _cands(B, nblocks, nbk, seed=0):
     return r.topk(nbk, dim=1).indices.sort(dim=1).values.to(torch.int32).contiguous()
 
 
-def decode_call(kind, fmt, B=128, ctx=131072, nbk=2048):
+def decode_call(kind, fmt, B=128, ctx=131072, nbk=2048, impl="triton"):
     """``(run, out)``: one decode scoring call at a target shape of this suite (``kind`` ``sparse``: 2048
-    candidate blocks of 8 per row; ``dense``: every position), for the development scripts (``scripts/``)."""
+    candidate blocks of 8 per row; ``dense``: every position) on the ``impl`` kernels (``triton`` or ``cuda``), for
+    the development scripts (``scripts/``)."""
+    mod = cs if impl == "cuda" else ts
     cache, bt, lens, qs = _decode_setup(B, ctx, fmt)
     if kind == "sparse":
         cand = _cands(B, ctx // CBS, nbk)
         out = torch.empty(B, nbk * CBS, device=DEV)
-        return (lambda: ts.paged_sparse_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, cand, CBS,
-                                                   out)), out
+        return (lambda: mod.paged_sparse_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, cand, CBS,
+                                                    out)), out
     out = torch.empty(B, ctx, device=DEV)
-    return (lambda: ts.paged_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, out)), out
+    return (lambda: mod.paged_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, out)), out
 
 
 def _ref_rows_diff(mine, ref_fn, rows):
@@ -209,11 +212,32 @@ def bench_decode(rows, quick):
             t = _t(fn)
             kbytes = B * nbk * CBS * bpt
             tgt = 85.0 if fmt == "fp8" else 50.0
+            at_target = ctx == 131072 and B == 128
+            # the target sits on the row of the kernel dispatch picks: CUDA for MXFP4, Triton for FP8
+            dispatched = "cuda" if fmt == "mxfp4" and cs.available() else "triton"
             _row(rows, op="paged_sparse_mqa_logits", impl="triton", fmt=fmt, shape=shape, B=B, ctx=ctx, time_us=t,
                  floor_us=common.floor_us(kbytes), tbps=kbytes / t / 1e6,
                  tflops=2 * B * nbk * CBS * H * D / t / 1e6,
-                 target=f"<= {tgt} us" if ctx == 131072 and B == 128 else "",
-                 meets=(t <= tgt) if ctx == 131072 and B == 128 else "", check=f"diff_vs_ref={chk:.2e}")
+                 target=f"<= {tgt} us" if at_target and dispatched == "triton" else "",
+                 meets=(t <= tgt) if at_target and dispatched == "triton" else "", check=f"diff_vs_ref={chk:.2e}")
+            if cs.available():
+                outc = torch.empty_like(out)
+                cs.CONFIG_OVERRIDES["fp8"] = True
+                try:
+                    fc = lambda: cs.paged_sparse_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None,  # noqa: E731
+                                                            cand, CBS, outc)
+                    fc()
+                    torch.cuda.synchronize()
+                    tc = _t(fc)
+                finally:
+                    cs.CONFIG_OVERRIDES.pop("fp8")
+                _row(rows, op="paged_sparse_mqa_logits", impl="cuda", fmt=fmt, shape=shape, B=B, ctx=ctx, time_us=tc,
+                     floor_us=common.floor_us(kbytes), tbps=kbytes / tc / 1e6,
+                     tflops=2 * B * nbk * CBS * H * D / tc / 1e6,
+                     target=f"<= {tgt} us" if at_target and dispatched == "cuda" else "",
+                     meets=(tc <= tgt) if at_target and dispatched == "cuda" else "",
+                     check=f"diff_vs_triton={testing.calc_diff(outc, out):.2e}")
+                del outc
             if ctx == 131072 and B == 128 and fmt == "mxfp4":
                 # every tile with per-group scale multiplies: what the folded operands replaced
                 ts.CONFIG_OVERRIDES["qfold"] = False
@@ -269,6 +293,21 @@ def bench_decode(rows, quick):
                  vs_deepgemm=(dg_t / t) if (dg_t and fmt == "fp8") else "",
                  target=">= 0.9x deepgemm" if fmt == "fp8" else "",
                  meets=(dg_t / t >= 0.9) if (dg_t and fmt == "fp8") else "", check=f"diff_vs_ref={chk:.2e}{extra}")
+            if cs.available():
+                outdc = torch.empty_like(outd)
+                cs.CONFIG_OVERRIDES["fp8"] = True
+                try:
+                    fdc = lambda: cs.paged_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, outdc)  # noqa: E731
+                    fdc()
+                    torch.cuda.synchronize()
+                    tc = _t(fdc)
+                finally:
+                    cs.CONFIG_OVERRIDES.pop("fp8")
+                _row(rows, op="paged_mqa_logits", impl="cuda", fmt=fmt, shape=f"B{B} ctx{ctx}", B=B, ctx=ctx,
+                     time_us=tc, floor_us=common.floor_us(dbytes), tbps=dbytes / tc / 1e6,
+                     vs_deepgemm=(dg_t / tc) if (dg_t and fmt == "fp8") else "",
+                     check=f"diff_vs_triton={testing.calc_diff(outdc, outd):.2e}")
+                del outdc
             if fmt == "fp8" and ctx == ctxs[0] and not FAST:
                 # plain PyTorch: the reference backend on the same inputs
                 tr = _t(lambda: reference.paged_sparse_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt,
@@ -554,6 +593,8 @@ def plot(rows, out_dir):
     ax = axes[0]
     for op, impl, fmt, style in [("paged_sparse_mqa_logits", "triton", "fp8", "o-"),
                                  ("paged_sparse_mqa_logits", "triton", "mxfp4", "o--"),
+                                 ("paged_sparse_mqa_logits", "cuda", "mxfp4", "d--"),
+                                 ("paged_mqa_logits", "cuda", "mxfp4", "v--"),
                                  ("paged_mqa_logits", "triton", "fp8", "s-"), ("paged_mqa_logits", "triton", "mxfp4", "s--"),
                                  ("paged_mqa_logits", "deepgemm", "fp8", "^-"),
                                  ("paged_sparse_mqa_logits", "torch", "fp8", "x:")]:

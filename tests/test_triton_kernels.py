@@ -7,6 +7,7 @@ Cache kernels must be byte-exact. Shapes are drawn fresh each run (seed printed;
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -40,6 +41,33 @@ def _sync():
     if DEV == "cuda":
         torch.cuda.synchronize()
 ops = torch.ops.sparse_indexer
+
+
+@pytest.fixture(params=["triton", "cuda"])
+def paged_backend(request):
+    """The paged decode tests run on the Triton kernels and on the CUDA ones (``kernels/cuda_scoring.py``, SM90,
+    up to 64 heads), each forced."""
+    if request.param == "cuda":
+        if INTERPRET or not torch.cuda.is_available():
+            pytest.skip("the CUDA scoring kernels need the GPU")
+        from torch_sparse_indexer.kernels import cuda_scoring
+        if not cuda_scoring.available():
+            pytest.skip(f"CUDA scoring library: {cuda_scoring._LIB.load_error}")
+        # its FP8 path too (dispatch sends FP8 to the Triton kernels unless enabled)
+        request.getfixturevalue("monkeypatch").setitem(cuda_scoring.CONFIG_OVERRIDES, "fp8", True)
+    return request.param
+
+
+@contextlib.contextmanager
+def _paged(backend):
+    """Force ``backend``; a call the CUDA kernels decline (e.g. 128 heads, or not SM90) skips the test."""
+    with backends.use_backend(backend):
+        try:
+            yield
+        except NotImplementedError as e:
+            if backend == "cuda":
+                pytest.skip(f"cuda backend declines: {e}")
+            raise
 
 # (fmt, D, H): every head count the brief names at D = 128 for FP8, a spread elsewhere, kept small so the
 # number of distinct compiled variants stays bounded.
@@ -132,19 +160,19 @@ def _candidates(rng, gen, ns, num_blocks, cbs, neighbour_share=None):
 # ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
-def test_paged_mqa_logits(fmt, D, H, seed, gen):
+def test_paged_mqa_logits(fmt, D, H, seed, gen, paged_backend):
     rng = random.Random(seed)
     kv, bt, lens, reqs, R, bs, seq = _paged_case(rng, gen, fmt, D, H, mtp=True)
     q, qs, w = _queries(R, H, D, fmt, gen)
     L = max(1, max(seq) + rng.randint(0, 40))
     ref = torch.empty(R, L, device=DEV)
     reference.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, ref)
-    with backends.use_backend("triton"):
+    with _paged(paged_backend):
         _check(lambda out: ops.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, out), ref)
 
 
 @pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
-def test_paged_sparse_mqa_logits(fmt, D, H, seed, gen):
+def test_paged_sparse_mqa_logits(fmt, D, H, seed, gen, paged_backend):
     rng = random.Random(seed)
     kv, bt, lens, reqs, R, bs, seq = _paged_case(rng, gen, fmt, D, H, mtp=True)
     cbs = rng.choice([c for c in formats.CANDIDATE_BLOCK_SIZES if bs % c == 0])
@@ -154,7 +182,7 @@ def test_paged_sparse_mqa_logits(fmt, D, H, seed, gen):
     cand = _candidates(rng, gen, ns, nbk, cbs)
     ref = torch.empty(R, nbk * cbs, device=DEV)
     reference.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, ref)
-    with backends.use_backend("triton"):
+    with _paged(paged_backend):
         _check(lambda out: ops.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, out), ref)
 
 
@@ -203,7 +231,7 @@ def test_row_tiles_fills_waves(rows, width, block_n, tiles, slots):
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("layout", ["strided", "misaligned"])
-def test_paged_sparse_logits_views(fmt, layout, seed, gen):
+def test_paged_sparse_logits_views(fmt, layout, seed, gen, paged_backend):
     """Logits that are a view into a wider buffer (row stride > width; rows 16-byte or only 4-byte aligned): the
     same scores as the reference, and no element of the buffer outside the view is touched."""
     rng = random.Random(seed)
@@ -222,7 +250,7 @@ def test_paged_sparse_logits_views(fmt, layout, seed, gen):
     for _ in range(REPEATS if not INTERPRET else 1):
         buf = torch.full((R, L + lo + (4 if layout == "strided" else 2)), float("nan"), device=DEV)
         out = buf[:, lo:lo + L]
-        with backends.use_backend("triton"):
+        with _paged(paged_backend):
             ops.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, out)
         _sync()
         assert torch.isnan(buf[:, :lo]).all() and torch.isnan(buf[:, lo + L:]).all(), "wrote outside the view"
@@ -234,7 +262,7 @@ def test_paged_sparse_logits_views(fmt, layout, seed, gen):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_paged_no_req_indices_bf16(fmt, seed, gen):
+def test_paged_no_req_indices_bf16(fmt, seed, gen, paged_backend):
     """req_indices None (row r = request r), bf16 weights and bf16 logits."""
     rng = random.Random(seed)
     D, H, bs = 128, 64, 64
@@ -246,13 +274,13 @@ def test_paged_no_req_indices_bf16(fmt, seed, gen):
     L = max(seq + [1])
     ref = torch.empty(R, L, device=DEV)
     reference.paged_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, None, ref)
-    with backends.use_backend("triton"):
+    with _paged(paged_backend):
         _check(lambda out: ops.paged_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, None, out),
                ref.bfloat16(), dtype=torch.bfloat16, tol=TOL)
     cand = _candidates(rng, gen, seq, 5, 16)
     ref = torch.empty(R, 5 * 16, device=DEV)
     reference.paged_sparse_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, None, cand, 16, ref)
-    with backends.use_backend("triton"):
+    with _paged(paged_backend):
         _check(lambda out: ops.paged_sparse_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, None,
                                                        cand, 16, out), ref)
 
@@ -324,7 +352,7 @@ def _pinned_groups(x, exps):
     return (g * torch.tensor([2.0 ** e for e in exps])[:, None]).flatten(-2)
 
 
-def _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, nbk, rng, gen):
+def _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, nbk, rng, gen, backend):
     """Dense or sparse (``nbk`` candidate blocks of 8) paged decode on ``case`` against the reference: the whole
     output (with reruns), then row by row (rows' magnitudes may differ by orders, a whole-tensor calc_diff hides
     some)."""
@@ -340,7 +368,7 @@ def _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, nbk, rng, gen)
         reference.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, cand, cbs, ref)
         run = lambda out: ops.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs,  # noqa: E731
                                                       cand, cbs, out)
-    with backends.use_backend("triton"):
+    with _paged(backend):
         _check(run, ref)
         out = _poisoned(*ref.shape)
         run(out)
@@ -351,7 +379,7 @@ def _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, nbk, rng, gen)
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
-def test_mxfp4_query_scales_fold_or_not(D, dense, seed, gen):
+def test_mxfp4_query_scales_fold_or_not(D, dense, seed, gen, paged_backend):
     """Decode rows whose query group scales fold into the operands (groups within 14 binades of the head's
     largest, dead all-zero groups ignored) next to rows that need per-group multiplies (a head spanning 15 or 52
     binades), in one call. K's group 1 is large where the queries' is small, so folding a 15-binade head (its
@@ -390,13 +418,13 @@ def test_mxfp4_query_scales_fold_or_not(D, dense, seed, gen):
             q[r, :, 32:64] = 0
     w = torch.randn(R, H, generator=gen) * H ** -0.5
     qv, qs, wf = formats.quantize_q(q.to(DEV), w.to(DEV), "mxfp4")
-    _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, 24, rng, gen)
+    _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, 24, rng, gen, paged_backend)
 
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
 @pytest.mark.parametrize("odd", ["span12", "zero_group"])
-def test_mxfp4_key_scales_fold_or_rescore(D, dense, odd, seed, gen):
+def test_mxfp4_key_scales_fold_or_rescore(D, dense, odd, seed, gen, paged_backend):
     """MXFP4 decode (SM90 path): a program scores its tiles with each token's K group scales folded into the e4m3
     operand, exact while a token's groups span at most 11 binades, and scores its columns again the per-group way
     when some token spans more. Three pages hold tokens spanning 12 binades, or with an all-zero group (scale
@@ -428,7 +456,7 @@ def test_mxfp4_key_scales_fold_or_rescore(D, dense, odd, seed, gen):
         q[r] = _pinned_groups(q[r], [-e for e in (span11 if r < 4 else span12)])
     w = torch.randn(R, H, generator=gen) * H ** -0.5
     qv, qs, wf = formats.quantize_q(q.to(DEV), w.to(DEV), "mxfp4")
-    _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, 10, rng, gen)
+    _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, 10, rng, gen, paged_backend)
 
 
 @pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
@@ -657,7 +685,7 @@ def _compiled_count():
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_warmup_then_capture(fmt, seed, gen):
+def test_warmup_then_capture(fmt, seed, gen, paged_backend):
     if INTERPRET:
         pytest.skip("CUDA graphs need the GPU")
     D, H, bs, cbs = 128, 64, 64, 8
@@ -674,7 +702,7 @@ def test_warmup_then_capture(fmt, seed, gen):
     out_d = torch.empty(R, maxb * bs, device=DEV)
     out_s = torch.empty(R, nbk * cbs, device=DEV)
     g = torch.cuda.CUDAGraph()
-    with backends.use_backend("triton"):
+    with _paged(paged_backend):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):

@@ -43,3 +43,13 @@ if _torch.cuda.is_available():
             cuda_topk.register()
     except Exception as _e:  # a broken or foreign build must not break the reference backend
         _log.warning("torch_sparse_indexer: CUDA top-k kernels not registered (%s)", _e)
+
+# CUDA decode scoring (SM90): a prebuilt library like top-k; ahead of the Triton kernels where it supports a call.
+if _torch.cuda.is_available():
+    try:
+        from . import cuda_scoring
+
+        if cuda_scoring.available():
+            cuda_scoring.register()
+    except Exception as _e:  # a broken or foreign build must not break the other backends
+        _log.warning("torch_sparse_indexer: CUDA scoring kernels not registered (%s)", _e)

@@ -19,31 +19,17 @@ but among equal scores it may keep a different position than the reference.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Optional
 
 import torch
 
+from . import _cudalib
+
 LIB_NAME = "libsparse_indexer_topk.so"
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
-_lib: Optional[ctypes.CDLL] = None
-_load_error: Optional[str] = None
-_capability_ok: dict[int, bool] = {}
 
-
-def library_path() -> str:
-    """Where the library is looked up (``TORCH_SPARSE_INDEXER_TOPK_LIB`` overrides)."""
-    env = os.environ.get("TORCH_SPARSE_INDEXER_TOPK_LIB")
-    if env:
-        return env
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_C", LIB_NAME)
-
-
-def load(path: Optional[str] = None) -> ctypes.CDLL:
-    """Load the library (``path`` defaults to :func:`library_path`) and declare its C signatures."""
-    global _lib
-    lib = ctypes.CDLL(path or library_path())
+def _declare(lib: ctypes.CDLL) -> None:
     vp, ll, i32, up = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_size_t
     lib.tsi_topk.argtypes = [vp, ll, i32, i32, i32, vp, i32, vp, up]
     lib.tsi_sparse_topk.argtypes = [vp, ll, i32, i32, vp, i32, i32, vp, i32, vp, up]
@@ -56,32 +42,29 @@ def load(path: Optional[str] = None) -> ctypes.CDLL:
     lib.tsi_topk_set_sampled.argtypes = [i32]
     lib.tsi_topk_error_string.argtypes = [ctypes.c_int]
     lib.tsi_topk_error_string.restype = ctypes.c_char_p
-    _lib = lib
-    return lib
+
+
+_LIB = _cudalib.Library(LIB_NAME, "TORCH_SPARSE_INDEXER_TOPK_LIB", _declare)
+
+
+def library_path() -> str:
+    """Where the library is looked up (``TORCH_SPARSE_INDEXER_TOPK_LIB`` overrides)."""
+    return _LIB.path()
+
+
+def load(path: Optional[str] = None) -> ctypes.CDLL:
+    """Load the library (``path`` defaults to :func:`library_path`) and declare its C signatures."""
+    return _LIB.load(path)
 
 
 def available() -> bool:
     """True when the library is built and loaded (loads it on first call)."""
-    global _load_error
-    if _lib is not None:
-        return True
-    if _load_error is not None:
-        return False
-    path = library_path()
-    if not os.path.exists(path):
-        _load_error = f"{path} not built (pip install . on a machine with nvcc, or csrc/build.sh)"
-        return False
-    try:
-        load(path)
-    except OSError as e:
-        _load_error = f"cannot load {path}: {e}"
-        return False
-    return True
+    return _LIB.available()
 
 
 def max_k() -> int:
     """Largest ``k`` (and ``num_blocks`` for ``block_topk``) the library takes."""
-    return int(_lib.tsi_topk_max_k()) if available() else 0
+    return int(_LIB.lib.tsi_topk_max_k()) if available() else 0
 
 
 def tuning() -> dict:
@@ -90,8 +73,8 @@ def tuning() -> dict:
     a cluster of CTAs, each holding one slice in shared memory)."""
     if not available():
         return {}
-    return {"smem_keys": int(_lib.tsi_topk_smem_keys()), "cand_cap": int(_lib.tsi_topk_cand_cap()),
-            "cluster_max": int(_lib.tsi_topk_cluster_max())}
+    return {"smem_keys": int(_LIB.lib.tsi_topk_smem_keys()), "cand_cap": int(_LIB.lib.tsi_topk_cand_cap()),
+            "cluster_max": int(_LIB.lib.tsi_topk_cluster_max())}
 
 
 CLUSTER_MODES = ("off", "auto", "always")
@@ -106,7 +89,7 @@ def set_cluster_mode(mode: str) -> str:
         raise ValueError(f"mode: expected one of {CLUSTER_MODES}, got {mode!r}")
     if not available():
         return "auto"
-    return CLUSTER_MODES[_lib.tsi_topk_set_cluster_mode(CLUSTER_MODES.index(mode))]
+    return CLUSTER_MODES[_LIB.lib.tsi_topk_set_cluster_mode(CLUSTER_MODES.index(mode))]
 
 
 def set_sampled(on: bool) -> bool:
@@ -116,16 +99,15 @@ def set_sampled(on: bool) -> bool:
     the previous setting. For benchmarks and tests that compare the paths."""
     if not available():
         return True
-    return bool(_lib.tsi_topk_set_sampled(1 if on else 0))
+    return bool(_LIB.lib.tsi_topk_set_sampled(1 if on else 0))
 
 
-def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+_stream = _cudalib.stream
 
 
 def _check(code: int, op: str) -> None:
     if code != 0:
-        msg = _lib.tsi_topk_error_string(code).decode(errors="replace")
+        msg = _LIB.lib.tsi_topk_error_string(code).decode(errors="replace")
         raise RuntimeError(f"sparse_indexer.{op} (cuda backend): kernel launch failed with CUDA error {code}: {msg}")
 
 
@@ -142,13 +124,9 @@ def _common_reason(logits: torch.Tensor, kk: int) -> Optional[str]:
     if not logits.is_cuda:
         return f"needs CUDA tensors, got {logits.device}"
     if not available():
-        return _load_error or "library not loaded"
-    dev = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
-    ok = _capability_ok.get(dev)
-    if ok is None:
-        ok = _capability_ok[dev] = torch.cuda.get_device_capability(dev) >= (9, 0)
-    if not ok:
-        return f"needs compute capability >= 9.0, got {torch.cuda.get_device_capability(dev)}"
+        return _LIB.load_error or "library not loaded"
+    if _cudalib.capability(logits) < (9, 0):
+        return f"needs compute capability >= 9.0, got {_cudalib.capability(logits)}"
     if logits.dtype not in _DTYPE_CODE:
         return f"logits dtype float32 or bfloat16 expected, got {logits.dtype}"
     R, W = logits.shape
@@ -182,7 +160,7 @@ def supports_block_topk(logits, lengths, cbs, candidate_blocks) -> Optional[str]
 def topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, indices: torch.Tensor) -> None:
     """``logits [R, W]`` f32/bf16, ``lengths int32 [R]`` -> ``indices int32 [R, k]`` (ascending, -1 padded)."""
     R, W = logits.shape
-    code = _lib.tsi_topk(logits.data_ptr(), _row_stride(logits), R, W, _DTYPE_CODE[logits.dtype],
+    code = _LIB.lib.tsi_topk(logits.data_ptr(), _row_stride(logits), R, W, _DTYPE_CODE[logits.dtype],
                          lengths.data_ptr(), k, indices.data_ptr(), _stream(logits))
     _check(code, "topk")
 
@@ -192,7 +170,7 @@ def sparse_topk(logits: torch.Tensor, candidate_blocks: torch.Tensor, cbs: int, 
     """``logits [R, nb * cbs]``, ``candidate_blocks int32 [R, nb]`` -> request-local positions ``[R, k]``."""
     R = logits.shape[0]
     nb = candidate_blocks.shape[1]
-    code = _lib.tsi_sparse_topk(logits.data_ptr(), _row_stride(logits), R, _DTYPE_CODE[logits.dtype],
+    code = _LIB.lib.tsi_sparse_topk(logits.data_ptr(), _row_stride(logits), R, _DTYPE_CODE[logits.dtype],
                                 candidate_blocks.data_ptr(), nb, cbs, lengths.data_ptr(), k, indices.data_ptr(),
                                 _stream(logits))
     _check(code, "sparse_topk")
@@ -201,7 +179,7 @@ def sparse_topk(logits: torch.Tensor, candidate_blocks: torch.Tensor, cbs: int, 
 def block_topk(logits: torch.Tensor, lengths: torch.Tensor, cbs: int, candidate_blocks: torch.Tensor) -> None:
     """``logits [R, W]`` -> the best ``num_blocks`` blocks of ``cbs`` columns, ``int32 [R, num_blocks]``."""
     R, W = logits.shape
-    code = _lib.tsi_block_topk(logits.data_ptr(), _row_stride(logits), R, W, _DTYPE_CODE[logits.dtype],
+    code = _LIB.lib.tsi_block_topk(logits.data_ptr(), _row_stride(logits), R, W, _DTYPE_CODE[logits.dtype],
                                lengths.data_ptr(), cbs, candidate_blocks.data_ptr(), candidate_blocks.shape[1],
                                _stream(logits))
     _check(code, "block_topk")

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .. import backends, formats
+from .grid import row_tiles as _row_tiles
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Nibble -> e4m3 re-encoding in PTX, four bytes per instruction sequence (the interpreter runs the
@@ -850,23 +851,6 @@ def _chunk_cols(rows: int, width: int, block_n: int, sms: int, waves: int = 32, 
     cols = triton.cdiv(max(1, rows * width), max(1, sms * waves))
     cols = max(min_tiles * block_n, triton.cdiv(cols, block_n) * block_n)
     return min(cols, max(block_n, triton.cdiv(width, block_n) * block_n))
-
-
-@functools.lru_cache(maxsize=1024)  # on every eager launch; a pure function of ints
-def _row_tiles(rows: int, width: int, block_n: int, tiles: int, slots: int, min_tiles: int = 4,
-               overhead: float = 1.5) -> int:
-    """Tiles per program of a row-kernel grid ``rows x ceil(tiles per row / t)``, ``min(tiles, min_tiles) <= t <=
-    tiles``: the ``t`` minimizing (waves of ``slots`` programs) x (``t`` + ``overhead``), the fixed per-program cost
-    (queries, ids, pipeline fill) counted in tiles. A grid only a few waves deep otherwise ends on a partly
-    empty wave: 128 sparse decode rows of 128 tiles in 16-tile programs are 1024 programs on 396 slots, 2.6
-    waves run as 3; 22-tile programs make 768 (2 waves). Depends on shapes and the SM count only."""
-    tr = max(1, triton.cdiv(width, block_n))
-    best_t, best_cost = tiles, None
-    for t in range(min(tiles, min_tiles), tiles + 1):
-        cost = triton.cdiv(rows * triton.cdiv(tr, t), slots) * (t + overhead)
-        if best_cost is None or cost < best_cost:
-            best_t, best_cost = t, cost
-    return best_t
 
 
 def _program_tiles(rows: int, width: int, block_n: int, tiles: int, ctas, device) -> int:

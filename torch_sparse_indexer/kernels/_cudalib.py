@@ -1,0 +1,65 @@
+"""Loading of the prebuilt CUDA libraries (``torch_sparse_indexer/_C/*.so``, built by ``pip install .`` or
+``csrc/build.sh``): C ABIs over raw device pointers, loaded with :mod:`ctypes` only when present; importing
+never compiles. Shared by :mod:`.cuda_topk` and :mod:`.cuda_scoring`."""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Callable, Optional
+
+import torch
+
+_capability: dict[int, tuple[int, int]] = {}
+
+
+class Library:
+    """One shared library: ``name`` under ``_C/`` (``env_var`` overrides the path); ``declare(lib)`` sets the
+    ctypes signatures after loading."""
+
+    def __init__(self, name: str, env_var: str, declare: Callable[[ctypes.CDLL], None]):
+        self.name, self.env_var, self._declare = name, env_var, declare
+        self.lib: Optional[ctypes.CDLL] = None
+        self.load_error: Optional[str] = None
+
+    def path(self) -> str:
+        env = os.environ.get(self.env_var)
+        if env:
+            return env
+        return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_C", self.name)
+
+    def load(self, path: Optional[str] = None) -> ctypes.CDLL:
+        lib = ctypes.CDLL(path or self.path())
+        self._declare(lib)
+        self.lib = lib
+        return lib
+
+    def available(self) -> bool:
+        """True when the library is built and loaded (loads it on first call)."""
+        if self.lib is not None:
+            return True
+        if self.load_error is not None:
+            return False
+        path = self.path()
+        if not os.path.exists(path):
+            self.load_error = f"{path} not built (pip install . on a machine with nvcc, or csrc/build.sh)"
+            return False
+        try:
+            self.load(path)
+        except OSError as e:
+            self.load_error = f"cannot load {path}: {e}"
+            return False
+        return True
+
+
+def stream(t: torch.Tensor) -> int:
+    """The current CUDA stream of ``t``'s device as an integer (0 for CPU tensors)."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+
+def capability(t: torch.Tensor) -> tuple[int, int]:
+    """Compute capability of ``t``'s device (cached per device)."""
+    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    cap = _capability.get(dev)
+    if cap is None:
+        cap = _capability[dev] = torch.cuda.get_device_capability(dev)
+    return cap
