@@ -188,16 +188,24 @@ struct Mma<64> {
 };
 #endif
 
+// Where a candidate slot's (sparse) or a page's (dense) tokens are: the byte offset in the cache of its first
+// column's token (`off`), from there to that token's scale word (`sdelta`; token i of the slot: off + i * VB and
+// off + sdelta + 4 * i), and how many of its columns are valid (`limit`: 0 for a -1 or out-of-range block, a
+// hole in the block table, columns past the row's length or the program's last column).
+struct alignas(16) Ent {
+  long long off;
+  int sdelta, limit;
+};
+
 template <int N, int D, bool FP4>
 struct alignas(128) Smem {
   uint8_t qf[N * D];                // queries in the wgmma B layout: e4m3 (FP8) or folded e2m1 (MXFP4)
-  uint8_t qu[FP4 ? N * D : 128];    // MXFP4 per-group pass: value * 2^6 (filled only when that pass runs)
   float wf[N];                      // weights of the main pass (MXFP4: times 2^(c - 127) / 4096)
   float wu[N];                      // weights of the per-group pass (/ 4096: both operands carry 2^6)
   float sq[FP4 ? D / 32 : 1][N];    // query group scales 2^(e - 127) (per-group pass)
   int qc[N];                        // MXFP4: each head's largest live-group exponent
   uint32_t qw[N];                   // MXFP4: each head's scale word
-  int2 ent[kMaxEntries];            // sparse: (page or -1, first position) per candidate slot; dense: (page or -1, -)
+  Ent ent[kMaxEntries];             // per candidate slot (sparse) or page (dense) of the program's tiles
 };
 
 // Which D elements a thread's A word m (of 2 * D / 32) holds, for quad position t (elements e .. e + 3), given
@@ -278,38 +286,27 @@ struct Program {
   __device__ __forceinline__ void issue(int k, int stage) {
     const uint32_t base = ring_s + stage * T::kStage;
     vmask &= ~(3u << (2 * stage));
+    if (k < ntile) {
+      const int cb = c_lo + k * kTileN + r0;
 #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int c = c_lo + k * kTileN + r0 + 8 * rr;
-      bool v = false;
-      int page = 0, off = 0;
-      if (k < ntile && c < c_mid) {
-        if (SPARSE) {
-          const int2 e = sm.ent[(c - c_lo) >> p.lcbs];
-          const int pos = e.y + (c & cbs_mask);
-          v = e.x >= 0 && pos < n;
-          page = e.x;
-          off = pos & bs_mask;
-        } else {
-          page = sm.ent[(c >> p.lbs) - p0].x;
-          v = page >= 0;
-          off = c & bs_mask;
+      for (int rr = 0; rr < 2; ++rr) {
+        const int c = cb + 8 * rr;
+        const int i = SPARSE ? c & cbs_mask : c & bs_mask;
+        const Ent e = sm.ent[SPARSE ? (c - c_lo) >> p.lcbs : (c >> p.lbs) - p0];
+        const bool v = i < e.limit;
+        const uint8_t* tok = p.kv + e.off + i * VB;  // (an invalid entry's offset is 0: copied with 0 bytes)
+        const int nb = v ? T::CB : 0;
+#pragma unroll
+        for (int j = 0; j < T::CPR; ++j) {
+          const uint32_t dst = base + ((rr * T::CPR + j) * kThreads + threadIdx.x) * T::CB;
+          if (T::CB == 16)
+            cp_async16(dst, tok + T::part_offset(t, j), nb);
+          else
+            cp_async8(dst, tok + T::part_offset(t, j), nb);
         }
+        cp_async4(base + T::kScales + (rr * kThreads + threadIdx.x) * 4, tok + e.sdelta + i * (4 - VB), v ? 4 : 0);
+        vmask |= static_cast<uint32_t>(v) << (2 * stage + rr);
       }
-      const uint8_t* pg = p.kv + static_cast<long long>(v ? page : 0) * p.page_stride;
-      const uint8_t* tok = pg + off * VB;
-      const int nb = v ? T::CB : 0;
-#pragma unroll
-      for (int j = 0; j < T::CPR; ++j) {
-        const uint32_t dst = base + ((rr * T::CPR + j) * kThreads + threadIdx.x) * T::CB;
-        if (T::CB == 16)
-          cp_async16(dst, tok + T::part_offset(t, j), nb);
-        else
-          cp_async8(dst, tok + T::part_offset(t, j), nb);
-      }
-      cp_async4(base + T::kScales + (rr * kThreads + threadIdx.x) * 4,
-                pg + (static_cast<long long>(bs_mask) + 1) * VB + 4 * off, v ? 4 : 0);
-      vmask |= static_cast<uint32_t>(v) << (2 * stage + rr);
     }
     cp_async_commit();
   }
@@ -386,14 +383,14 @@ struct Program {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       if (FP4) {
+        // the token's largest and smallest group exponents, byte-parallel (D = 64: bytes 0 and 1 only)
         const uint32_t sw = sc[rr];
-        uint32_t ref = sw & 0xFF, mn = ref;
-#pragma unroll
-        for (int gg = 1; gg < G; ++gg) {
-          const uint32_t e = (sw >> (8 * gg)) & 0xFF;
-          ref = max(ref, e);
-          mn = min(mn, e);
+        uint32_t hi = sw, lo = sw;
+        if (G == 4) {
+          hi = __vmaxu4(sw, __byte_perm(sw, 0, 0x1032));
+          lo = __vminu4(sw, __byte_perm(sw, 0, 0x1032));
         }
+        const uint32_t ref = __vmaxu4(hi, hi >> 8) & 0xFF, mn = __vminu4(lo, lo >> 8) & 0xFF;
         bad |= (ref - mn > kKSpan) || ref == 255;
         const uint32_t mine = (sw >> (8 * (D == 128 ? t : t >> 1))) & 0xFF;
         const uint32_t d = ref - mine;
@@ -554,32 +551,41 @@ struct Program {
         sm.wf[h] = w;
       }
     }
-    // Ids of the program's columns, resolved once: candidate slot -> (page, first position), or page.
+    // Ids of the program's columns resolved once (Ent), for every slot or page its tiles touch.
     if (SPARSE) {
       const int nblk = (n + cbs_mask) >> p.lcbs;
-      const int s0 = c_lo >> p.lcbs, ns = (c_hi - c_lo + cbs_mask) >> p.lcbs;
+      const int s0 = c_lo >> p.lcbs, ns = (c_hi - c_lo + cbs_mask) >> p.lcbs, ne = (ntile * kTileN) >> p.lcbs;
       const int32_t* cand = p.cand + static_cast<long long>(row) * p.ncand;
-      for (int s = tid; s < ns; s += kThreads) {
+      for (int s = tid; s < ne; s += kThreads) {
         const int slot = s0 + s;
-        const int blk = slot < p.ncand ? cand[slot] : -1;
-        int page = -1, posb = 0;
+        const int blk = s < ns && slot < p.ncand ? cand[slot] : -1;
+        Ent e = {0, 0, 0};
         if (blk >= 0 && blk < nblk) {
-          posb = blk << p.lcbs;
+          const int posb = blk << p.lcbs;
           const int pg = p.block_table[static_cast<long long>(req) * p.bt_stride + (posb >> p.lbs)];
-          if (pg >= 0 && pg < p.nb_cache) page = pg;
+          if (pg >= 0 && pg < p.nb_cache) {
+            const int first = posb & bs_mask;
+            e.off = static_cast<long long>(pg) * p.page_stride + first * VB;
+            e.sdelta = (bs_mask + 1) * VB + first * (4 - VB);
+            e.limit = min(cbs_mask + 1, n - posb);
+          }
         }
-        sm.ent[s] = make_int2(page, posb);
+        sm.ent[s] = e;
       }
     } else if (ntile > 0) {
-      const int np = ((c_mid - 1) >> p.lbs) - p0 + 1;
-      for (int s = tid; s < np; s += kThreads) {
+      const int ne = ((c_lo + ntile * kTileN - 1) >> p.lbs) - p0 + 1;
+      for (int s = tid; s < ne; s += kThreads) {
         const int pi = p0 + s;
-        int page = -1;
-        if (pi < p.mb) {
+        Ent e = {0, 0, 0};
+        if (pi < p.mb && (pi << p.lbs) < c_mid) {
           const int pg = p.block_table[static_cast<long long>(req) * p.bt_stride + pi];
-          if (pg >= 0 && pg < p.nb_cache) page = pg;
+          if (pg >= 0 && pg < p.nb_cache) {
+            e.off = static_cast<long long>(pg) * p.page_stride;
+            e.sdelta = (bs_mask + 1) * VB;
+            e.limit = min(bs_mask + 1, c_mid - (pi << p.lbs));
+          }
         }
-        sm.ent[s] = make_int2(page, 0);
+        sm.ent[s] = e;
       }
     }
     if (FP4) ok = __syncthreads_and(ok);
@@ -613,7 +619,10 @@ struct Program {
       const int again = __syncthreads_or(bad ? 1 : 0) || !ok;
       if (again) {
         cp_async_wait<0>();
-        fill_queries(sm.qu, false);
+        // the unfolded queries go to ring stages 1.. (free now; the loads below use stage 0)
+        static_assert(!FP4 || (P - 1) * T::kStage >= N * D, "the per-group queries need P - 1 ring stages");
+        uint8_t* qu = ring + T::kStage;
+        fill_queries(qu, false);
         fence_async_smem();
         __syncthreads();
 #pragma unroll
@@ -621,7 +630,7 @@ struct Program {
           wr[2 * c] = sm.wu[8 * c + 2 * t];
           wr[2 * c + 1] = sm.wu[8 * c + 2 * t + 1];
         }
-        const uint64_t desc_u = b_desc<N>(sm.qu);
+        const uint64_t desc_u = b_desc<N>(qu);
 #pragma unroll 1
         for (int k = 0; k < ntile; ++k) {
           issue(k, 0);
@@ -645,8 +654,14 @@ struct Program {
   }
 };
 
+// CTAs per SM the register allocation aims at (4: 128 registers per thread, no spills; a build with
+// -DTSI_SCORING_MIN_BLOCKS=5 caps at 96 for benchmarks).
+#ifndef TSI_SCORING_MIN_BLOCKS
+#define TSI_SCORING_MIN_BLOCKS 4
+#endif
+
 template <int D, bool FP4, int N, bool SPARSE, int P>
-__global__ void __launch_bounds__(kThreads, 4) decode_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kThreads, TSI_SCORING_MIN_BLOCKS) decode_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) uint8_t dyn[];
   auto& sm = *reinterpret_cast<Smem<N, D, FP4>*>(dyn);
   Program<D, FP4, N, SPARSE, P> prog(p, sm, dyn + (sizeof(Smem<N, D, FP4>) + 127) / 128 * 128);
@@ -697,10 +712,10 @@ int occupancy_p() {
   return e == cudaSuccess ? v : -static_cast<int>(e);
 }
 
-// Tiles in flight per program (copies issued ahead; FP8 9 KB, MXFP4 5 KB per D = 128 stage): FP8 4, MXFP4 6 by
-// default (3 to 6 measured within 2% of each other at the sparse decode target shape; 8 slower). The 64-head
-// kernels also build 3, 4 and 6 for benchmarks (tsi_scoring_set_depth).
-constexpr int kDefaultDepthFp8 = 4, kDefaultDepthFp4 = 6;
+// Tiles in flight per program (copies issued ahead; FP8 9 KB, MXFP4 5 KB per D = 128 stage): 4 by default (3, 4
+// and 6 within 1% of each other at the sparse decode target shape, 3-4 up to 5% faster than 6 at the dense one;
+// H200 runs 59-60). The 64-head kernels also build 3 and 6 for benchmarks (tsi_scoring_set_depth).
+constexpr int kDefaultDepthFp8 = 4, kDefaultDepthFp4 = 4;
 
 // Calls f.template operator()<P>() for the depth selected for (FP4, N).
 template <bool FP4, int N, class F>

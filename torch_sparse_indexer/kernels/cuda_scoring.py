@@ -57,7 +57,7 @@ def available() -> bool:
 
 
 def set_depth(depth: int = 0) -> int:
-    """Tiles in flight per 64-head program (3, 4 or 6; 0 = the default: FP8 4, MXFP4 6). Returns the previous
+    """Tiles in flight per 64-head program (3, 4 or 6; 0 = the default, 4). Returns the previous
     setting. For benchmarks that compare depths; results are identical, bit for bit."""
     _ctas_per_sm.cache_clear()
     return int(_LIB.lib.tsi_scoring_set_depth(depth)) if available() else 0
