@@ -383,14 +383,14 @@ struct Program {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       if (FP4) {
-        // the token's largest and smallest group exponents, byte-parallel (D = 64: bytes 0 and 1 only)
         const uint32_t sw = sc[rr];
-        uint32_t hi = sw, lo = sw;
-        if (G == 4) {
-          hi = __vmaxu4(sw, __byte_perm(sw, 0, 0x1032));
-          lo = __vminu4(sw, __byte_perm(sw, 0, 0x1032));
+        uint32_t ref = sw & 0xFF, mn = ref;
+#pragma unroll
+        for (int gg = 1; gg < G; ++gg) {
+          const uint32_t e = (sw >> (8 * gg)) & 0xFF;
+          ref = max(ref, e);
+          mn = min(mn, e);
         }
-        const uint32_t ref = __vmaxu4(hi, hi >> 8) & 0xFF, mn = __vminu4(lo, lo >> 8) & 0xFF;
         bad |= (ref - mn > kKSpan) || ref == 255;
         const uint32_t mine = (sw >> (8 * (D == 128 ? t : t >> 1))) & 0xFF;
         const uint32_t d = ref - mine;
