@@ -3,15 +3,16 @@
 // pointers like the top-k library: one build serves every torch version; launches never synchronize,
 // never allocate, and their configuration depends only on the shapes (capturable in CUDA graphs).
 //
-// Design (benchmarks/NOTES.md, "CUDA decode scoring"): one warpgroup per program = (query row, run of
-// columns). A tile is 64 columns (tokens) = the M of one wgmma m64nNk32 per 32 of D, with the K tile as the
-// register operand A: each thread loads its bytes of two tokens straight from the cache pages into registers
-// (16-byte loads, tiles requested P ahead), so no shared-memory round trip and no barrier per tile. The
-// queries (operand B, N = heads padded to 16/32/64) sit in shared memory, permuted along D to match the
-// order in which a thread holds K (the dot product does not care about the order of D, only that A and B
-// agree). MXFP4 tokens have their group scales folded into the e4m3 operand (exact while a token's groups
-// span <= 11 binades), queries theirs (<= 14 binades); a program that meets a scale that does not fold
-// scores its columns again the per-group way (per-group partial products, fp32 scale multiplies).
+// Design (csrc/README.md; measurements in benchmarks/NOTES.md, "CUDA decode scoring"): one warpgroup per program
+// = (query row, run of columns). A tile is 64 columns (tokens) = the M of one wgmma m64nNk32 per 32 of D, with
+// the K tile as the register operand A: each thread copies its bytes of two tokens (cp.async, P tiles in
+// flight) into staging slots only it reads back, then converts them straight into its A registers: no barrier
+// per tile, no operand layout conversion. The queries (operand B, N = heads padded to 16/32/64) sit in shared
+// memory, permuted along D to match the order in which a thread holds K (the dot product does not care about
+// the order of D, only that A and B agree). MXFP4 tokens have their group scales folded into the e4m3 operand
+// (exact while a token's groups span <= 11 binades), queries theirs (<= 14 binades); a program that meets a
+// scale that does not fold scores its columns again the per-group way (per-group partial products, fp32 scale
+// multiplies).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -117,10 +118,10 @@ __device__ __forceinline__ void fence_operands(float (&d)[R]) {
 }
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// m64nNk32 e4m3 x e4m3 -> f32, A = four registers per thread, B = the shared-memory matrix of `desc`
-// (K-major, no swizzle); `accumulate` 0 overwrites d.
-__device__ __forceinline__ void wgmma_n16(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint64_t desc, int accumulate) {
+// m64nNk32 e4m3 x e4m3 -> f32 (N = 2 x the accumulator registers per thread: 16, 32, 64), A = four registers per
+// thread, B = the shared-memory matrix of `desc` (K-major, no swizzle); `accumulate` 0 overwrites d.
+__device__ __forceinline__ void wgmma(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                      uint64_t desc, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %12, 0;\n"
@@ -131,8 +132,8 @@ __device__ __forceinline__ void wgmma_n16(float (&d)[8], uint32_t a0, uint32_t a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));
 }
 
-__device__ __forceinline__ void wgmma_n32(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint64_t desc, int accumulate) {
+__device__ __forceinline__ void wgmma(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                      uint64_t desc, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %20, 0;\n"
@@ -144,8 +145,8 @@ __device__ __forceinline__ void wgmma_n32(float (&d)[16], uint32_t a0, uint32_t 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));
 }
 
-__device__ __forceinline__ void wgmma_n64(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint64_t desc, int accumulate) {
+__device__ __forceinline__ void wgmma(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                      uint64_t desc, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\n"
       "setp.ne.b32 p, %36, 0;\n"
@@ -160,33 +161,6 @@ __device__ __forceinline__ void wgmma_n64(float (&d)[32], uint32_t a0, uint32_t 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));
 }
 #endif  // TSI_WGMMA
-
-// Per-N wgmma and accumulator size.
-template <int N>
-struct Mma;
-#ifdef TSI_WGMMA
-template <>
-struct Mma<16> {
-  static __device__ __forceinline__ void run(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint64_t desc, int acc) {
-    wgmma_n16(d, a0, a1, a2, a3, desc, acc);
-  }
-};
-template <>
-struct Mma<32> {
-  static __device__ __forceinline__ void run(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint64_t desc, int acc) {
-    wgmma_n32(d, a0, a1, a2, a3, desc, acc);
-  }
-};
-template <>
-struct Mma<64> {
-  static __device__ __forceinline__ void run(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint64_t desc, int acc) {
-    wgmma_n64(d, a0, a1, a2, a3, desc, acc);
-  }
-};
-#endif
 
 // Where a candidate slot's (sparse) or a page's (dense) tokens are: the byte offset in the cache of its first
 // column's token (`off`), from there to that token's scale word (`sdelta`; token i of the slot: off + i * VB and
@@ -209,7 +183,7 @@ struct alignas(128) Smem {
 };
 
 // Which D elements a thread's A word m (of 2 * D / 32) holds, for quad position t (elements e .. e + 3), given
-// how the thread loads its token bytes (see Tile::load).
+// which bytes of a token the thread copies (Stage::part_offset).
 template <int D, bool FP4>
 __host__ __device__ constexpr int elem_of(int t, int m) {
   return FP4 ? (D == 128 ? 32 * t + 4 * m : 16 * t + 4 * m)
@@ -234,13 +208,13 @@ __device__ __forceinline__ uint64_t b_desc(const void* smem) {
   return d;                                        // base offset 0, no swizzle
 }
 
-// One tile's bytes for a thread: tokens r0 = 16 * warp + lane / 4 and r0 + 8 of the tile, quad position t's
-// part of each token (FP8 D = 128: bytes 16t.. and 64 + 16t.., 16 each; D = 64: 16t..; MXFP4 D = 128: 16t..
-// (group t), D = 64: 8t.. (8 bytes)), and each token's scale word. Staged through shared memory by cp.async,
-// P tiles in flight: the wgmma fence waits for every outstanding register write, so loads straight into
-// registers would wait for the whole prefetch at each tile (measured: 166 vs 90 us, FP8 sparse decode).
+// The staging of one tile: for each thread, tokens r0 = 16 * warp + lane / 4 and r0 + 8 of the tile, quad position
+// t's part of each token (FP8 D = 128: bytes 16t.. and 64 + 16t.., 16 each; D = 64: 16t..; MXFP4 D = 128: 16t..
+// (group t), D = 64: 8t.. (8 bytes)), and each token's scale word, copied by cp.async with P tiles in flight.
+// (Loads straight into registers were slower: the wgmma fence waits for every outstanding register write, so
+// each tile waited for the whole prefetch; measured 166 vs 98 us, FP8 sparse decode.)
 template <int D, bool FP4>
-struct Tile {
+struct Stage {
   static constexpr int VB = FP4 ? D / 2 : D;    // value bytes per token
   static constexpr int LW = VB / 16;            // 32-bit words per token per thread
   static constexpr int CB = LW >= 4 ? 16 : 8;   // bytes per copy
@@ -252,19 +226,16 @@ struct Tile {
   __host__ __device__ static constexpr int part_offset(int t, int j) {
     return !FP4 && D == 128 ? 64 * j + 16 * t : CB * t;
   }
-  uint32_t w[2][LW];
-  uint32_t s[2];
-  bool valid[2];
 };
 
 template <int N, int D, bool FP4, int P>
 constexpr int smem_bytes() {
-  return static_cast<int>((sizeof(Smem<N, D, FP4>) + 127) / 128 * 128) + P * Tile<D, FP4>::kStage;
+  return static_cast<int>((sizeof(Smem<N, D, FP4>) + 127) / 128 * 128) + P * Stage<D, FP4>::kStage;
 }
 
 template <int D, bool FP4, int N, bool SPARSE, int P>
 struct Program {
-  using T = Tile<D, FP4>;
+  using T = Stage<D, FP4>;
   static constexpr int VB = T::VB;
   static constexpr int LW = T::LW;
   static constexpr int KS = D / 32;  // k32 steps
@@ -409,7 +380,7 @@ struct Program {
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < KS; ++j)
-      Mma<N>::run(acc, a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], desc + j * ((N * 32) >> 4), j);
+      wgmma(acc, a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], desc + j * ((N * 32) >> 4), j);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(acc);  // (the accumulators are read only after the wait)
@@ -443,7 +414,7 @@ struct Program {
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < KS; ++j)
-        Mma<N>::run(part, a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], desc + j * ((N * 32) >> 4), j);
+        wgmma(part, a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], desc + j * ((N * 32) >> 4), j);
       wgmma_commit();
       wgmma_wait<0>();
       fence_operands(part);

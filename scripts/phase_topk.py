@@ -11,7 +11,7 @@ from torch_sparse_indexer.kernels import cuda_topk as ct
 
 SHAPES = [(1, 131072), (64, 131072), (128, 131072), (4096, 131072), (4096, 16384)]
 ct.set_cluster_mode("off")
-lib = ct._lib
+lib = ct._LIB.lib
 lib.tsi_topk_phase_cycles.argtypes = [ctypes.c_void_p]
 g = torch.Generator().manual_seed(0)
 for R, W in SHAPES:

@@ -33,23 +33,15 @@ if _ilu.find_spec("deep_gemm") is not None and _torch.cuda.is_available():
     except Exception as _e:  # noqa: BLE001
         _log.warning("torch_sparse_indexer: DeepGEMM backend not registered (%s)", _e)
 
-# CUDA top-k: a prebuilt library loaded with ctypes (never compiled at import); absent library or no GPU
-# means the reference backend serves top-k.
+# CUDA libraries (top-k; SM90 decode scoring, ahead of the Triton kernels where it supports a call): prebuilt,
+# loaded with ctypes (never compiled at import); an absent library or no GPU leaves those ops to the other backends.
 if _torch.cuda.is_available():
-    try:
-        from . import cuda_topk
+    import importlib as _importlib
 
-        if cuda_topk.available():
-            cuda_topk.register()
-    except Exception as _e:  # a broken or foreign build must not break the reference backend
-        _log.warning("torch_sparse_indexer: CUDA top-k kernels not registered (%s)", _e)
-
-# CUDA decode scoring (SM90): a prebuilt library like top-k; ahead of the Triton kernels where it supports a call.
-if _torch.cuda.is_available():
-    try:
-        from . import cuda_scoring
-
-        if cuda_scoring.available():
-            cuda_scoring.register()
-    except Exception as _e:  # a broken or foreign build must not break the other backends
-        _log.warning("torch_sparse_indexer: CUDA scoring kernels not registered (%s)", _e)
+    for _name in ("cuda_topk", "cuda_scoring"):
+        try:
+            _mod = _importlib.import_module(f"{__name__}.{_name}")
+            if _mod.available():
+                _mod.register()
+        except Exception as _e:  # a broken or foreign build must not break the other backends
+            _log.warning("torch_sparse_indexer: %s kernels not registered (%s)", _name, _e)

@@ -3,10 +3,10 @@
 D 64 or 128.
 
 One warpgroup per program (a query row x a run of 64-column tiles); each tile is one ``wgmma m64nNk32`` per 32
-of D with the K tile as the register operand, loaded straight from the cache pages into registers several
-tiles ahead (no shared-memory staging, no barrier per tile). MXFP4 group scales are folded into the e4m3
-operands where that is exact, with a per-group pass for the programs where it is not (design and
-measurements: ``benchmarks/NOTES.md``). The prebuilt library ``torch_sparse_indexer/_C/
+of D with the K tile as the register operand: each thread copies its own bytes of two tokens (``cp.async``,
+several tiles in flight) and converts them straight into its operand registers, no barrier per tile. MXFP4 group
+scales are folded into the e4m3 operands where that is exact, with a per-group pass for the programs where it is
+not (design: ``csrc/README.md``; measurements: ``benchmarks/NOTES.md``, "CUDA decode scoring"). The prebuilt library ``torch_sparse_indexer/_C/
 libsparse_indexer_scoring.so`` (``pip install .`` or ``csrc/build.sh``) is loaded with :mod:`ctypes`: the calls
 never synchronize, never allocate and never compile, so they can be captured in CUDA graphs. Inputs are
 validated by :mod:`torch_sparse_indexer.ops` first; ``supports_*`` only decline what the kernels cannot take
@@ -29,8 +29,9 @@ _LOGITS_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 # Benchmarks may force the tiles per program ("row_tiles") to compare grids; the default sizes the grid from
 # the shapes and the occupancy (never from timing). "fp8": True lets this backend take FP8 caches, which it
-# declines by default: at the sparse decode target the Triton FP8 kernel measured faster on the H200 (90 vs
-# 100 us; dense 590 vs 645 us; benchmarks/NOTES.md), while for MXFP4 this one is (105 vs 118 us; 690 vs 830 us).
+# declines by default: at the decode targets the Triton FP8 kernels measured faster on the H200 (sparse 92 vs
+# 98 us, dense 619 vs 655-674 us), while for MXFP4 this one is (sparse 104 vs 119 us, dense 686-718 vs 826 us;
+# benchmarks/NOTES.md, run 62).
 CONFIG_OVERRIDES: dict = {}
 
 
@@ -41,7 +42,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tsi_scoring_ctas_per_sm.argtypes = [i32, i32, i32, i32]
     lib.tsi_scoring_set_depth.argtypes = [i32]
     for f in (lib.tsi_paged_scores, lib.tsi_scoring_ctas_per_sm, lib.tsi_scoring_set_depth, lib.tsi_scoring_version,
-             
               lib.tsi_scoring_max_heads, lib.tsi_scoring_max_tiles, lib.tsi_scoring_tile):
         f.restype = ctypes.c_int
     lib.tsi_scoring_error_string.argtypes = [ctypes.c_int]
@@ -105,6 +105,8 @@ def _supports(q, q_scale, kv_cache, weights, context_lens, block_table, req_indi
         return "kv_cache pages must start on 16-byte boundaries"
     if weights.dim() == 2 and weights.shape[1] > 1 and weights.stride(1) != 1:
         return "weights must have stride(-1) == 1"
+    if block_table.shape[0] == 0 or block_table.shape[1] == 0:
+        return "empty block_table"
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
         return "block_table must have stride(-1) == 1"
     if candidate_blocks is not None and not candidate_blocks.is_contiguous():
