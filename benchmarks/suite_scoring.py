@@ -220,17 +220,13 @@ def bench_decode(rows, quick):
                  tflops=2 * B * nbk * CBS * H * D / t / 1e6,
                  target=f"<= {tgt} us" if at_target and dispatched == "triton" else "",
                  meets=(t <= tgt) if at_target and dispatched == "triton" else "", check=f"diff_vs_ref={chk:.2e}")
-            if cs.available():
+            if cs.available():  # (called directly: FP8 too, which dispatch leaves to Triton)
                 outc = torch.empty_like(out)
-                cs.CONFIG_OVERRIDES["fp8"] = True
-                try:
-                    fc = lambda: cs.paged_sparse_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None,  # noqa: E731
-                                                            cand, CBS, outc)
-                    fc()
-                    torch.cuda.synchronize()
-                    tc = _t(fc)
-                finally:
-                    cs.CONFIG_OVERRIDES.pop("fp8")
+                fc = lambda: cs.paged_sparse_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, cand,  # noqa: E731
+                                                        CBS, outc)
+                fc()
+                torch.cuda.synchronize()
+                tc = _t(fc)
                 _row(rows, op="paged_sparse_mqa_logits", impl="cuda", fmt=fmt, shape=shape, B=B, ctx=ctx, time_us=tc,
                      floor_us=common.floor_us(kbytes), tbps=kbytes / tc / 1e6,
                      tflops=2 * B * nbk * CBS * H * D / tc / 1e6,
@@ -295,14 +291,10 @@ def bench_decode(rows, quick):
                  meets=(dg_t / t >= 0.9) if (dg_t and fmt == "fp8") else "", check=f"diff_vs_ref={chk:.2e}{extra}")
             if cs.available():
                 outdc = torch.empty_like(outd)
-                cs.CONFIG_OVERRIDES["fp8"] = True
-                try:
-                    fdc = lambda: cs.paged_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, outdc)  # noqa: E731
-                    fdc()
-                    torch.cuda.synchronize()
-                    tc = _t(fdc)
-                finally:
-                    cs.CONFIG_OVERRIDES.pop("fp8")
+                fdc = lambda: cs.paged_mqa_logits(qs.q, qs.q_scale, cache, qs.weights, lens, bt, None, outdc)  # noqa: E731
+                fdc()
+                torch.cuda.synchronize()
+                tc = _t(fdc)
                 _row(rows, op="paged_mqa_logits", impl="cuda", fmt=fmt, shape=f"B{B} ctx{ctx}", B=B, ctx=ctx,
                      time_us=tc, floor_us=common.floor_us(dbytes), tbps=dbytes / tc / 1e6,
                      vs_deepgemm=(dg_t / tc) if (dg_t and fmt == "fp8") else "",

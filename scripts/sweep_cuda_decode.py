@@ -21,7 +21,6 @@ from torch_sparse_indexer.kernels import triton_scoring as ts  # noqa: E402
 
 out_dir = os.environ.get("OUT", "/tmp")
 print("available", cs.available(), cs._LIB.load_error)
-cs.CONFIG_OVERRIDES["fp8"] = True
 res = []
 for fmt in ("fp8", "mxfp4"):
     for sparse in (True, False):

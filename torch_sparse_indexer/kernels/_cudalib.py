@@ -1,9 +1,11 @@
 """Loading of the prebuilt CUDA libraries (``torch_sparse_indexer/_C/*.so``, built by ``pip install .`` or
 ``csrc/build.sh``): C ABIs over raw device pointers, loaded with :mod:`ctypes` only when present; importing
-never compiles. Shared by :mod:`.cuda_topk` and :mod:`.cuda_scoring`."""
+never compiles. Shared by :mod:`.cuda_topk` and :mod:`.cuda_scoring`; the device facts below serve the Triton
+kernels too."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import Callable, Optional
 
@@ -63,3 +65,15 @@ def capability(t: torch.Tensor) -> tuple[int, int]:
     if cap is None:
         cap = _capability[dev] = torch.cuda.get_device_capability(dev)
     return cap
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (cached per device; 4 for a CPU device, the Triton interpreter's stand-in)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

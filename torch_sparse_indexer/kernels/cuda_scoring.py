@@ -69,19 +69,13 @@ def _ctas_per_sm(D: int, fp4: bool, H: int, sparse: bool) -> int:
     return max(1, v)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def program_tiles(rows: int, width: int, D: int, fp4: bool, H: int, sparse: bool, device) -> int:
     """64-column tiles per program: the wave-filling count of :func:`grid.row_tiles` for the variant's CTAs per SM
     (the occupancy calculator), or ``CONFIG_OVERRIDES["row_tiles"]``."""
     max_tiles = int(_LIB.lib.tsi_scoring_max_tiles())
     if "row_tiles" in CONFIG_OVERRIDES:
         return max(1, min(max_tiles, int(CONFIG_OVERRIDES["row_tiles"])))
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    slots = _ctas_per_sm(D, fp4, H, sparse) * _sm_count(index)
+    slots = _ctas_per_sm(D, fp4, H, sparse) * _cudalib.num_sms(device)
     return row_tiles(rows, width, 64, max_tiles, slots)
 
 

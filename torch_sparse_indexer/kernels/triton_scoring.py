@@ -37,7 +37,6 @@ default is the row kernel.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -45,6 +44,7 @@ import triton
 import triton.language as tl
 
 from .. import backends, formats
+from . import _cudalib
 from .grid import row_tiles as _row_tiles
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -768,17 +768,6 @@ def _heads_pad(H: int) -> int:
     return max(16, triton.next_power_of_2(H))
 
 
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 # Benchmarks may override a launch configuration per kernel family ("rows", "prefill_dense", "pair"), and the
 # row kernel's tiles per program ("row_tiles"), to compare alternatives; the defaults below are what the library
 # launches (fixed, so results never depend on timing-based tuning).
@@ -859,7 +848,7 @@ def _program_tiles(rows: int, width: int, block_n: int, tiles: int, ctas, device
     if "row_tiles" in CONFIG_OVERRIDES:
         return max(1, min(tiles, int(CONFIG_OVERRIDES["row_tiles"])))
     if ctas:
-        return _row_tiles(rows, width, block_n, tiles, ctas * _num_sms(device))
+        return _row_tiles(rows, width, block_n, tiles, ctas * _cudalib.num_sms(device))
     return tiles
 
 
@@ -930,7 +919,7 @@ def _launch_prefill_dense(q, q_scale, k, k_scale, weights, ks, ke, logits):
     HP = _heads_pad(H)
     bq, block_n, warps, stages = _prefill_dense_config(HP, fp4)
     nqb = triton.cdiv(T, bq)
-    cols = _chunk_cols(nqb, L, block_n, _num_sms(q.device), waves=64, min_tiles=8)
+    cols = _chunk_cols(nqb, L, block_n, _cudalib.num_sms(q.device), waves=64, min_tiles=8)
     nj = triton.cdiv(L, cols)
     _prefill_dense_kernel[(nqb, nj)](
         _q_bytes(q), q_scale if q_scale is not None else ks, weights, _q_bytes(k), k_scale, ks, ke, logits,
