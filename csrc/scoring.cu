@@ -162,12 +162,13 @@ __device__ __forceinline__ void wgmma(float (&d)[32], uint32_t a0, uint32_t a1, 
 }
 #endif  // TSI_WGMMA
 
-// Where a candidate slot's (sparse) or a page's (dense) tokens are: the byte offset in the cache of its first
-// column's token (`off`), from there to that token's scale word (`sdelta`; token i of the slot: off + i * VB and
-// off + sdelta + 4 * i), and how many of its columns are valid (`limit`: 0 for a -1 or out-of-range block, a
-// hole in the block table, columns past the row's length or the program's last column).
+// Where a candidate slot's (sparse) or a page's (dense) tokens are: the address of its first column's token
+// (`tok`), from there to that token's scale word (`sdelta`; token i of the slot: tok + i * VB and
+// tok + sdelta + 4 * i), and how many of its columns are valid (`limit`: 0 for a -1 or out-of-range block, a
+// hole in the block table, columns past the row's length or the program's last column). Addresses, not
+// offsets: the per-tile copies then add only a 32-bit offset to a 64-bit pointer.
 struct alignas(16) Ent {
-  long long off;
+  const uint8_t* tok;
   int sdelta, limit;
 };
 
@@ -249,41 +250,53 @@ struct Program {
   uint32_t ring_s;     // the same, as a shared-memory address
   uint32_t vmask = 0;  // bit 2 * stage + rr: token rr of the tile in that stage is valid
   int row, c_lo, c_hi, c_mid, n, req, ntile, p0, cbs_mask, bs_mask, r0, t;
+  int part;            // the thread's byte offset within a token (T::part_offset(t, 0))
+  void* outp;          // the output of this thread's stored column in tile 0 (quad positions 0 and 1 store)
+  int ncols;           // columns of the program from that one on: tile k stores while k * kTileN < ncols
 
   __device__ Program(const Params& p_, Smem<N, D, FP4>& sm_, uint8_t* ring_)
       : p(p_), sm(sm_), ring(ring_), ring_s(static_cast<uint32_t>(__cvta_generic_to_shared(ring_))) {}
 
-  // Copies of tile k (k >= ntile: none) into `stage`, committed as one group.
+  // Copies of tile k (k >= ntile: none) into `stage`, committed as one group. (No branch on k: the copies of
+  // a tile past the end are issued with 0 bytes, so the scheduler can interleave this with the tile in hand.)
   __device__ __forceinline__ void issue(int k, int stage) {
-    const uint32_t base = ring_s + stage * T::kStage;
-    vmask &= ~(3u << (2 * stage));
-    if (k < ntile) {
-      const int cb = c_lo + k * kTileN + r0;
+    const uint32_t dst = ring_s + stage * T::kStage + threadIdx.x * T::CB;
+    const uint32_t sdst = ring_s + stage * T::kStage + T::kScales + threadIdx.x * 4;
+    const bool live = k < ntile;
+    const int cl = (live ? k : 0) * kTileN + r0;  // column within the program
+    uint32_t vbits = 0;
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int c = cb + 8 * rr;
-        const int i = SPARSE ? c & cbs_mask : c & bs_mask;
-        const Ent e = sm.ent[SPARSE ? (c - c_lo) >> p.lcbs : (c >> p.lbs) - p0];
-        const bool v = i < e.limit;
-        const uint8_t* tok = p.kv + e.off + i * VB;  // (an invalid entry's offset is 0: copied with 0 bytes)
-        const int nb = v ? T::CB : 0;
-#pragma unroll
-        for (int j = 0; j < T::CPR; ++j) {
-          const uint32_t dst = base + ((rr * T::CPR + j) * kThreads + threadIdx.x) * T::CB;
-          if (T::CB == 16)
-            cp_async16(dst, tok + T::part_offset(t, j), nb);
-          else
-            cp_async8(dst, tok + T::part_offset(t, j), nb);
-        }
-        cp_async4(base + T::kScales + (rr * kThreads + threadIdx.x) * 4, tok + e.sdelta + i * (4 - VB), v ? 4 : 0);
-        vmask |= static_cast<uint32_t>(v) << (2 * stage + rr);
+    for (int rr = 0; rr < 2; ++rr) {
+      const int c = cl + 8 * rr;
+      int ei, i;
+      if (SPARSE) {  // (c_lo is a multiple of 64, hence of the candidate block size)
+        ei = c >> p.lcbs;
+        i = c & cbs_mask;
+      } else {
+        ei = ((c_lo + c) >> p.lbs) - p0;
+        i = (c_lo + c) & bs_mask;
       }
+      const Ent e = sm.ent[ei];
+      const bool v = live && i < e.limit;
+      const int nb = v ? T::CB : 0;
+      const uint8_t* tok = e.tok + (i * VB + part);  // (an invalid entry points at the cache: 0 bytes copied)
+#pragma unroll
+      for (int j = 0; j < T::CPR; ++j) {
+        const uint32_t d = dst + (rr * T::CPR + j) * kThreads * T::CB;
+        if (T::CB == 16)
+          cp_async16(d, tok + T::part_offset(0, j), nb);
+        else
+          cp_async8(d, tok + T::part_offset(0, j), nb);
+      }
+      cp_async4(sdst + rr * kThreads * 4, e.tok + (e.sdelta + 4 * i), v ? 4 : 0);
+      vbits |= static_cast<uint32_t>(v) << rr;
     }
+    vmask = (vmask & ~(3u << (2 * stage))) | (vbits << (2 * stage));
     cp_async_commit();
   }
 
   // The thread's bytes of the tile in `stage` (its copies complete: cp.async.wait_group).
-  __device__ __forceinline__ void read(int stage, uint32_t (&w)[2][LW], uint32_t (&sc)[2], bool (&valid)[2]) const {
+  __device__ __forceinline__ void read(int stage, uint32_t (&w)[2][LW], uint32_t (&sc)[2]) const {
     const uint8_t* base = ring + stage * T::kStage;
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
@@ -303,7 +316,6 @@ struct Program {
         }
       }
       sc[rr] = *reinterpret_cast<const uint32_t*>(base + T::kScales + (rr * kThreads + threadIdx.x) * 4);
-      valid[rr] = (vmask >> (2 * stage + rr)) & 1;
     }
   }
 
@@ -311,7 +323,7 @@ struct Program {
   // Head sum of relu(acc) * w for the thread's two tokens (quad-reduced), scaled, stored.
   // (weights in registers: read from shared memory per tile they measured 7% slower, MXFP4 sparse decode)
   __device__ __forceinline__ void epilogue(const float (&acc)[NACC], const float (&wr)[N / 4], const float (&ksc)[2],
-                                           const bool (&valid)[2], int k) const {
+                                           int stage, int k) const {
     float s0 = 0.f, s1 = 0.f;
 #pragma unroll
     for (int c = 0; c < N / 8; ++c) {
@@ -320,60 +332,30 @@ struct Program {
       s1 = fmaf(relu_nan(acc[4 * c + 2]), wr[2 * c], s1);
       s1 = fmaf(relu_nan(acc[4 * c + 3]), wr[2 * c + 1], s1);
     }
-    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-    if (t < 2) {
-      const int c = c_lo + k * kTileN + r0 + 8 * t;
-      if (c < c_hi) {
-        // (selects, not valid[t] / ksc[t]: a runtime index would put the arrays in local memory)
-        const bool ok = t == 0 ? valid[0] : valid[1];
-        const float v = ok ? (t == 0 ? s0 * ksc[0] : s1 * ksc[1]) : -__int_as_float(0x7f800000);
-        const long long o = static_cast<long long>(row) * p.out_stride + c;
-        if (p.out_bf16)
-          static_cast<__nv_bfloat16*>(p.out)[o] = __float2bfloat16_rn(v);
-        else
-          static_cast<float*>(p.out)[o] = v;
-      }
+    // Quad sums with one exchange per step: the even quad positions sum token r0's partials, the odd ones
+    // token r0 + 8's; positions 0 and 1 end with the two totals (the same additions, in the same order, as
+    // reducing each token across the quad).
+    const bool odd = t & 1;
+    float sum = odd ? s1 : s0;
+    sum += __shfl_xor_sync(0xffffffffu, odd ? s0 : s1, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    if (t < 2 && k * kTileN < ncols) {
+      // (a select, not ksc[t]: a runtime index would put the array in local memory)
+      const bool ok = (vmask >> (2 * stage + t)) & 1;
+      store(outp, k * kTileN, ok ? sum * (odd ? ksc[1] : ksc[0]) : -__int_as_float(0x7f800000));
     }
   }
 
-  // Main pass over the tile in `stage`: A operands (FP8 as loaded; MXFP4 folded, flagging in `bad` the tokens
-  // whose scales do not fold), the wgmmas, the epilogue. (Two tiles in flight per warpgroup, one's wgmmas during
-  // the other's epilogue, measured no faster: it needs ~160 registers, three CTAs per SM instead of four.)
-  __device__ __forceinline__ void score_tile(int stage, int k, uint64_t desc, const float (&wr)[N / 4],
-                                             bool& bad) const {
-    uint32_t a[2][NW], raw[2][LW], sc[2];
-    bool valid[2];
-    float ksc[2];
-    if (FP4)
-      read(stage, raw, sc, valid);
+  // out[i] = v for the row's output `out` (f32 or bf16, p.out_bf16).
+  __device__ __forceinline__ void store(void* out, long long i, float v) const {
+    if (p.out_bf16)
+      static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
     else
-      read(stage, reinterpret_cast<uint32_t(&)[2][LW]>(a), sc, valid);  // FP8: the bytes are the operand
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      if (FP4) {
-        const uint32_t sw = sc[rr];
-        uint32_t ref = sw & 0xFF, mn = ref;
-#pragma unroll
-        for (int gg = 1; gg < G; ++gg) {
-          const uint32_t e = (sw >> (8 * gg)) & 0xFF;
-          ref = max(ref, e);
-          mn = min(mn, e);
-        }
-        bad |= (ref - mn > kKSpan) || ref == 255;
-        const uint32_t mine = (sw >> (8 * (D == 128 ? t : t >> 1))) & 0xFF;
-        const uint32_t d = ref - mine;
-        const uint32_t l0 = kLut0 - d * kStep0, l1 = kLut1 - d * kStep1;
-#pragma unroll
-        for (int i = 0; i < LW; ++i) e2m1x8_to_e4m3(raw[rr][i], l0, l1, a[rr][2 * i], a[rr][2 * i + 1]);
-        ksc[rr] = ue8m0(ref);
-      } else {
-        ksc[rr] = __uint_as_float(sc[rr]);
-      }
-    }
-    float acc[NACC];
+      static_cast<float*>(out)[i] = v;
+  }
+
+  // The tile's wgmmas: acc = A x B over D, A = the thread's operand words a[token][word], B at `desc`.
+  __device__ __forceinline__ void mma(float (&acc)[NACC], const uint32_t (&a)[2][NW], uint64_t desc) const {
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
     fence_operands(acc);
@@ -384,15 +366,51 @@ struct Program {
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(acc);  // (the accumulators are read only after the wait)
-    epilogue(acc, wr, ksc, valid, k);
+  }
+
+  // Main pass over the tile in `stage`: A operands (FP8 as loaded; MXFP4 folded, flagging in `bad` the tokens
+  // whose scales do not fold), the wgmmas, the epilogue. (Two tiles in flight per warpgroup, one's wgmmas during
+  // the other's epilogue, measured no faster: it needs ~160 registers, three CTAs per SM instead of four.)
+  __device__ __forceinline__ void score_tile(int stage, int k, uint64_t desc, const float (&wr)[N / 4],
+                                             bool& bad) const {
+    uint32_t a[2][NW], raw[2][LW], sc[2];
+    float ksc[2];
+    if (FP4)
+      read(stage, raw, sc);
+    else
+      read(stage, reinterpret_cast<uint32_t(&)[2][LW]>(a), sc);  // FP8: the bytes are the operand
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      if (FP4) {
+        // The token's group exponents are bytes 0..G-1 of its scale word; ref = the largest. Per byte
+        // ref - e (no borrow crosses a byte: every e <= ref); the span check tests all bytes at once.
+        constexpr uint32_t kBytes = G == 4 ? 0xFFFFFFFFu : 0x0000FFFFu;
+        const uint32_t sw = sc[rr] & kBytes;
+        uint32_t ref = sw & 0xFF;
+#pragma unroll
+        for (int gg = 1; gg < G; ++gg) ref = max(ref, __byte_perm(sw, 0, 0x4440 + gg));
+        const uint32_t dall = ref * (0x01010101u & kBytes) - sw;
+        constexpr uint32_t kOver = (0x80u - (kKSpan + 1)) * 0x01010101u;  // byte + kOver >= 0x80: span > kKSpan
+        bad |= ((((dall & 0x7F7F7F7Fu) + kOver) | dall) & (0x80808080u & kBytes)) != 0 || ref == 255;
+        const uint32_t d = __byte_perm(dall, 0, 0x4440 + (D == 128 ? t : t >> 1));
+        const uint32_t l0 = kLut0 - d * kStep0, l1 = kLut1 - d * kStep1;
+#pragma unroll
+        for (int i = 0; i < LW; ++i) e2m1x8_to_e4m3(raw[rr][i], l0, l1, a[rr][2 * i], a[rr][2 * i + 1]);
+        ksc[rr] = ue8m0(ref);
+      } else {
+        ksc[rr] = __uint_as_float(sc[rr]);
+      }
+    }
+    float acc[NACC];
+    mma(acc, a, desc);
+    epilogue(acc, wr, ksc, stage, k);
   }
 
   // MXFP4 per-group pass over one tile: per group, the A words of the quad positions holding it (the others
   // zero) against the unfolded queries, the partial sums scaled by the token's and head's group scales.
   __device__ __forceinline__ void score_per_group(int stage, int k, uint64_t desc, const float (&wr)[N / 4]) const {
     uint32_t raw[2][LW], sc[2];
-    bool valid[2];
-    read(stage, raw, sc, valid);
+    read(stage, raw, sc);
     const int mine = D == 128 ? t : t >> 1;
     float acc[NACC];
 #pragma unroll
@@ -408,16 +426,7 @@ struct Program {
         for (int i = 0; i < LW; ++i)
           e2m1x8_to_e4m3(raw[rr][i] & keep, kLut0, kLut1, a[rr][2 * i], a[rr][2 * i + 1]);
       float part[NACC];
-#pragma unroll
-      for (int i = 0; i < NACC; ++i) part[i] = 0.f;
-      fence_operands(part);
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < KS; ++j)
-        wgmma(part, a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], desc + j * ((N * 32) >> 4), j);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(part);
+      mma(part, a, desc);
       const float k0 = ue8m0((sc[0] >> (8 * gg)) & 0xFF), k1 = ue8m0((sc[1] >> (8 * gg)) & 0xFF);
 #pragma unroll
       for (int c = 0; c < N / 8; ++c) {
@@ -429,7 +438,7 @@ struct Program {
       }
     }
     const float one[2] = {1.f, 1.f};
-    epilogue(acc, wr, one, valid, k);
+    epilogue(acc, wr, one, stage, k);
   }
 #endif
 
@@ -482,6 +491,14 @@ struct Program {
     c_mid = SPARSE ? c_hi : min(c_hi, max(c_lo, n));
     ntile = c_mid > c_lo ? (c_mid - c_lo + kTileN - 1) / kTileN : 0;
     p0 = c_lo >> p.lbs;
+    part = T::part_offset(t, 0);
+    {
+      const int c0 = c_lo + r0 + 8 * (t & 1);
+      ncols = c_hi - c0;
+      const long long o = static_cast<long long>(row) * p.out_stride + c0;
+      outp = p.out_bf16 ? static_cast<void*>(static_cast<__nv_bfloat16*>(p.out) + o)
+                        : static_cast<void*>(static_cast<float*>(p.out) + o);
+    }
 
     // Per head: weights, MXFP4 query scales (largest live-group exponent; whether the live groups fold).
     int ok = 1;
@@ -530,13 +547,13 @@ struct Program {
       for (int s = tid; s < ne; s += kThreads) {
         const int slot = s0 + s;
         const int blk = s < ns && slot < p.ncand ? cand[slot] : -1;
-        Ent e = {0, 0, 0};
+        Ent e = {p.kv, 0, 0};
         if (blk >= 0 && blk < nblk) {
           const int posb = blk << p.lcbs;
           const int pg = p.block_table[static_cast<long long>(req) * p.bt_stride + (posb >> p.lbs)];
           if (pg >= 0 && pg < p.nb_cache) {
             const int first = posb & bs_mask;
-            e.off = static_cast<long long>(pg) * p.page_stride + first * VB;
+            e.tok = p.kv + (static_cast<long long>(pg) * p.page_stride + first * VB);
             e.sdelta = (bs_mask + 1) * VB + first * (4 - VB);
             e.limit = min(cbs_mask + 1, n - posb);
           }
@@ -547,11 +564,11 @@ struct Program {
       const int ne = ((c_lo + ntile * kTileN - 1) >> p.lbs) - p0 + 1;
       for (int s = tid; s < ne; s += kThreads) {
         const int pi = p0 + s;
-        Ent e = {0, 0, 0};
+        Ent e = {p.kv, 0, 0};
         if (pi < p.mb && (pi << p.lbs) < c_mid) {
           const int pg = p.block_table[static_cast<long long>(req) * p.bt_stride + pi];
           if (pg >= 0 && pg < p.nb_cache) {
-            e.off = static_cast<long long>(pg) * p.page_stride;
+            e.tok = p.kv + static_cast<long long>(pg) * p.page_stride;
             e.sdelta = (bs_mask + 1) * VB;
             e.limit = min(bs_mask + 1, c_mid - (pi << p.lbs));
           }
@@ -612,13 +629,8 @@ struct Program {
     }
     // Dense rows: the columns past the length only need -inf.
     const float ninf = -__int_as_float(0x7f800000);
-    for (int c = c_lo + ntile * kTileN + tid; c < c_hi; c += kThreads) {
-      const long long o = static_cast<long long>(row) * p.out_stride + c;
-      if (p.out_bf16)
-        static_cast<__nv_bfloat16*>(p.out)[o] = __float2bfloat16_rn(ninf);
-      else
-        static_cast<float*>(p.out)[o] = ninf;
-    }
+    for (int c = c_lo + ntile * kTileN + tid; c < c_hi; c += kThreads)
+      store(p.out, static_cast<long long>(row) * p.out_stride + c, ninf);
 #else
     __trap();  // built without sm_90a wgmma (the Python side launches these kernels on SM90 only)
 #endif
