@@ -421,6 +421,28 @@ def test_mxfp4_query_scales_fold_or_not(D, dense, seed, gen, paged_backend):
     _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, 24, rng, gen, paged_backend)
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_mxfp4_weights_past_the_folded_range(dense, seed, gen, paged_backend):
+    """MXFP4 decode with extreme magnitudes on the fold path: each head's largest query group scale goes into its
+    weight (Triton and CUDA kernels), so weights of 1e29 on queries of 2^20 (scores about 1e36, finite) meet folded
+    weights near the top of the fp32 range; ordinary rows in the same call; row by row against the reference.
+    (A build that multiplied those weights by a further 2^26 -- a relu as a saturating multiply, measured no
+    faster -- overflowed them to inf and failed here, H200 run 66.)"""
+    rng = random.Random(seed)
+    D, H, bs = 128, 16, 64
+    seq = [300, 129, 64]
+    case = testing.make_paged_cache(seq, bs, D, "mxfp4", device=DEV, gen=gen)
+    R = 6
+    reqs = torch.tensor([r % 3 for r in range(R)], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([seq[r % 3] for r in range(R)], dtype=torch.int32, device=DEV)
+    q = torch.randn(R, H, D, generator=gen)
+    w = torch.randn(R, H, generator=gen) * H ** -0.5
+    q[::2] *= 2.0 ** 20
+    w[::2, 3] = 1e29
+    qv, qs, wf = formats.quantize_q(q.to(DEV), w.to(DEV), "mxfp4")
+    _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, 24, rng, gen, paged_backend)
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
 @pytest.mark.parametrize("odd", ["span12", "zero_group"])
