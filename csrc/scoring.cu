@@ -13,9 +13,13 @@
 // (exact while a token's groups span <= 11 binades), queries theirs (<= 14 binades); a program that meets a
 // scale that does not fold scores its columns again the per-group way (per-group partial products, fp32 scale
 // multiplies).
+#ifdef TSI_EMULATE
+#include "emu/scoring_emu.h"  // CPU emulation build (csrc/emu/build_emu.sh scoring): the PTX below, in C++
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
+#endif
 
 #include <cstddef>
 #include <cstdint>
@@ -54,6 +58,7 @@ enum : int {
 
 __device__ __forceinline__ float ue8m0(uint32_t e) { return __uint_as_float(e == 0 ? 0x00400000u : e << 23); }
 
+#ifndef TSI_EMULATE  // (the emulation build has these in emu/scoring_emu.h)
 // max.NaN: a NaN score from garbage cache bytes must stay NaN (SPEC 2), where fmaxf would drop it.
 __device__ __forceinline__ float relu_nan(float x) {
   float y;
@@ -97,12 +102,15 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+#endif  // TSI_EMULATE
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define TSI_WGMMA 1
+#elif defined(TSI_EMULATE)
+#define TSI_WGMMA 1
 #endif
 
-#ifdef TSI_WGMMA
+#if defined(TSI_WGMMA) && !defined(TSI_EMULATE)
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -160,7 +168,7 @@ __device__ __forceinline__ void wgmma(float (&d)[32], uint32_t a0, uint32_t a1, 
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(accumulate), "l"(desc));
 }
-#endif  // TSI_WGMMA
+#endif  // TSI_WGMMA && !TSI_EMULATE
 
 // Where a candidate slot's (sparse) or a page's (dense) tokens are: the address of its first column's token
 // (`tok`), from there to that token's scale word (`sdelta`; token i of the slot: tok + i * VB and
@@ -594,6 +602,7 @@ struct Program {
 #pragma unroll
       for (int s = 0; s < P - 1; ++s) issue(s, s);
       int rd = 0, wr_stage = P - 1;
+#pragma unroll 2  // (the ring stage arithmetic folds across the pair: 297 -> 280 instructions per MXFP4 tile, run 67)
       for (int k = 0; k < ntile; ++k) {
         issue(k + P - 1, wr_stage);
         cp_async_wait<P - 1>();
@@ -645,7 +654,11 @@ struct Program {
 
 template <int D, bool FP4, int N, bool SPARSE, int P>
 __global__ void __launch_bounds__(kThreads, TSI_SCORING_MIN_BLOCKS) decode_kernel(const __grid_constant__ Params p) {
+#ifdef TSI_EMULATE
+  TSI_DYN_SMEM(dyn);
+#else
   extern __shared__ __align__(128) uint8_t dyn[];
+#endif
   auto& sm = *reinterpret_cast<Smem<N, D, FP4>*>(dyn);
   Program<D, FP4, N, SPARSE, P> prog(p, sm, dyn + (sizeof(Smem<N, D, FP4>) + 127) / 128 * 128);
   prog.run();
@@ -670,6 +683,11 @@ template <int D, bool FP4, int N, bool SPARSE, int P>
 cudaError_t launch_p(const Params& p, int rows, int progs, cudaStream_t stream) {
   constexpr int smem = tsi_scoring::smem_bytes<N, D, FP4, P>();
   auto kernel = tsi_scoring::decode_kernel<D, FP4, N, SPARSE, P>;
+#ifdef TSI_EMULATE
+  (void)stream;
+  tsi_emu::launch_xy(rows, progs, tsi_scoring::kThreads, smem, [&]() { kernel(p); });
+  return cudaSuccess;
+#else
   if (smem > 48 * 1024) {
     // Raise the dynamic shared-memory limit once per device (not a stream operation: capture-safe).
     static bool done[64] = {false};
@@ -683,16 +701,21 @@ cudaError_t launch_p(const Params& p, int rows, int progs, cudaStream_t stream) 
   }
   kernel<<<dim3(rows, progs), tsi_scoring::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
+#endif
 }
 
 template <int D, bool FP4, int N, bool SPARSE, int P>
 int occupancy_p() {
+#ifdef TSI_EMULATE
+  return 4;
+#else
   constexpr int smem = tsi_scoring::smem_bytes<N, D, FP4, P>();
   auto kernel = tsi_scoring::decode_kernel<D, FP4, N, SPARSE, P>;
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   int v = 0;
   const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, kernel, tsi_scoring::kThreads, smem);
   return e == cudaSuccess ? v : -static_cast<int>(e);
+#endif
 }
 
 // Tiles in flight per program (copies issued ahead; FP8 9 KB, MXFP4 5 KB per D = 128 stage): 4 by default (3, 4
@@ -746,6 +769,11 @@ int heads_pad(int H) { return H <= 16 ? 16 : H <= 32 ? 32 : 64; }
 extern "C" {
 
 int tsi_scoring_version() { return kVersion; }
+#ifdef TSI_EMULATE
+int tsi_scoring_emulated() { return 1; }  // a CPU emulation build: host pointers, kernels run on std::threads
+#else
+int tsi_scoring_emulated() { return 0; }
+#endif
 int tsi_scoring_max_heads() { return 64; }
 int tsi_scoring_max_tiles() { return tsi_scoring::kMaxTiles; }
 int tsi_scoring_tile() { return tsi_scoring::kTileN; }

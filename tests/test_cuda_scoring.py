@@ -2,7 +2,12 @@
 that ``test_triton_kernels.py`` runs on both backends: every padded head count, grids and prefetch depths
 (results must not depend on them, bit for bit), shapes with many tiles per program, and what the backend
 declines. Checks against the reference on the same quantized inputs (``calc_diff < 1e-5``, identical ``-inf``
-masks, every element written)."""
+masks, every element written).
+
+Developer hook (run by ``test_emulated_kernels.py``, so CI runs it too): with
+``TORCH_SPARSE_INDEXER_SCORING_LIB`` pointing at the CPU emulation build (``CSRC=scoring.cu
+csrc/emu/build_emu.sh lib.so``: the same kernel source, wgmma and cp.async emulated), the kernel tests run on CPU
+tensors with smaller shapes; the dispatch tests need the real GPU build and are skipped there."""
 from __future__ import annotations
 
 import random
@@ -15,6 +20,11 @@ from torch_sparse_indexer.kernels import cuda_scoring as cs
 
 ops = torch.ops.sparse_indexer
 TOL = 1e-5
+EMU = cs.emulated()
+DEV = "cpu" if EMU else "cuda"
+SCALE = 4 if EMU else 1  # contexts divided by this under the emulator (its threads are slow)
+kernel_test = (lambda f: f) if EMU else pytest.mark.gpu
+gpu_only = pytest.mark.skipif(EMU, reason="needs the GPU build (dispatch on CUDA tensors)")
 
 
 @pytest.fixture(autouse=True)
@@ -24,6 +34,8 @@ def _fp8_enabled(monkeypatch):
 
 
 def _gpu_ready():
+    if EMU:
+        return
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     if not cs.available():
@@ -34,27 +46,29 @@ def _gpu_ready():
 
 def _case(fmt, D, H, R, ctx, nbk, cbs, bs, gen, rng):
     seq = [max(1, ctx - rng.randint(0, ctx // 4)) for _ in range(R)]
-    case = testing.make_paged_cache(seq, bs, D, fmt, device="cuda", gen=gen)
-    lens = torch.tensor(seq, dtype=torch.int32, device="cuda")
-    cand = testing.random_candidates(seq, nbk, cbs, gen=gen).cuda()
-    qs = testing.make_queries(R, H, D, fmt, device="cuda", gen=gen)
+    case = testing.make_paged_cache(seq, bs, D, fmt, device=DEV, gen=gen)
+    lens = torch.tensor(seq, dtype=torch.int32, device=DEV)
+    cand = testing.random_candidates(seq, nbk, cbs, gen=gen).to(DEV)
+    qs = testing.make_queries(R, H, D, fmt, device=DEV, gen=gen)
     return case, lens, cand, qs
 
 
 def _run(sparse, case, lens, cand, qs, cbs, L):
-    out = torch.full((lens.shape[0], L), float("nan"), device="cuda")
-    with backends.use_backend("cuda"):
+    out = torch.full((lens.shape[0], L), float("nan"), device=DEV)
+    with backends.use_backend("cuda"), backends.record_dispatch() as ran:
         if sparse:
             ops.paged_sparse_mqa_logits(qs.q, qs.q_scale, case.kv_cache, qs.weights, lens, case.block_table, None,
                                         cand, cbs, out)
         else:
             ops.paged_mqa_logits(qs.q, qs.q_scale, case.kv_cache, qs.weights, lens, case.block_table, None, out)
-    torch.cuda.synchronize()
+    assert [name for _, name in ran] == ["cuda"], ran
+    if not EMU:
+        torch.cuda.synchronize()
     return out
 
 
 def _ref(sparse, case, lens, cand, qs, cbs, L):
-    ref = torch.empty(lens.shape[0], L, device="cuda")
+    ref = torch.empty(lens.shape[0], L, device=DEV)
     if sparse:
         reference.paged_sparse_mqa_logits(qs.q, qs.q_scale, case.kv_cache, qs.weights, lens, case.block_table, None,
                                           cand, cbs, ref)
@@ -63,7 +77,7 @@ def _ref(sparse, case, lens, cand, qs, cbs, L):
     return ref
 
 
-@pytest.mark.gpu
+@kernel_test
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("H", [4, 20, 40, 60])
@@ -72,7 +86,7 @@ def test_padded_head_counts(fmt, D, H, seed, gen):
     _gpu_ready()
     rng = random.Random(seed)
     cbs, bs = rng.choice([(8, 64), (16, 16), (32, 256)])
-    case, lens, cand, qs = _case(fmt, D, H, 6, rng.randint(200, 3000), 24, cbs, bs, gen, rng)
+    case, lens, cand, qs = _case(fmt, D, H, 6, rng.randint(200, 3000 // SCALE), 24, cbs, bs, gen, rng)
     for sparse in (True, False):
         L = 24 * cbs if sparse else int(lens.max()) + 5
         out = _run(sparse, case, lens, cand, qs, cbs, L)
@@ -80,7 +94,7 @@ def test_padded_head_counts(fmt, D, H, seed, gen):
         assert testing.calc_diff(out, _ref(sparse, case, lens, cand, qs, cbs, L)) < TOL
 
 
-@pytest.mark.gpu
+@kernel_test
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 def test_grid_and_depth_do_not_change_bits(fmt, sparse, seed, gen, monkeypatch):
@@ -89,8 +103,10 @@ def test_grid_and_depth_do_not_change_bits(fmt, sparse, seed, gen, monkeypatch):
     _gpu_ready()
     rng = random.Random(seed)
     D, H, cbs, bs = 128, 64, 8, 64
-    case, lens, cand, qs = _case(fmt, D, H, 8, rng.randint(20000, 40000), 1024, cbs, bs, gen, rng)
-    L = 1024 * cbs if sparse else int(lens.max())
+    # (emulated: two rows just past one 64-tile program, dense)
+    R, ctx, nbk = (2, rng.randint(4200, 5200), 256) if EMU else (8, rng.randint(20000, 40000), 1024)
+    case, lens, cand, qs = _case(fmt, D, H, R, ctx, nbk, cbs, bs, gen, rng)
+    L = nbk * cbs if sparse else int(lens.max())
     base = _run(sparse, case, lens, cand, qs, cbs, L)
     assert testing.calc_diff(base, _ref(sparse, case, lens, cand, qs, cbs, L)) < TOL
     for tiles in (1, 3, 64):
@@ -106,6 +122,7 @@ def test_grid_and_depth_do_not_change_bits(fmt, sparse, seed, gen, monkeypatch):
 
 
 @pytest.mark.gpu
+@gpu_only
 def test_declines_what_it_cannot_take(gen):
     """128 heads, a cache whose pages are not 16-byte aligned: the CUDA backend declines (with the reason) and
     automatic dispatch falls back to the Triton kernels."""
@@ -126,6 +143,7 @@ def test_declines_what_it_cannot_take(gen):
 
 
 @pytest.mark.gpu
+@gpu_only
 def test_fp8_goes_to_triton_by_default(gen, monkeypatch):
     """Without the override, automatic dispatch sends FP8 caches to the Triton kernels and MXFP4 ones here."""
     _gpu_ready()
@@ -139,9 +157,27 @@ def test_fp8_goes_to_triton_by_default(gen, monkeypatch):
         assert backends.select("paged_mqa_logits", *args).name == want
 
 
+@gpu_only
 def test_declines_cpu_tensors():
     q = torch.zeros(2, 8, 128, dtype=formats.FP8_DTYPE)
     kv = torch.zeros(4, 16, 132, dtype=torch.uint8)
     why = cs.supports_paged_mqa_logits(q, None, kv, torch.zeros(2, 8), torch.zeros(2, dtype=torch.int32),
                                        torch.zeros(2, 2, dtype=torch.int32), None, torch.zeros(2, 32))
     assert why is not None and "CUDA" in why
+
+
+def test_library_loading_reports_missing_and_stale_builds(tmp_path):
+    """A missing library, and one older than the package (a declared function absent): not available, with the
+    reason; the backends that depend on it are then simply not registered."""
+    from torch_sparse_indexer.kernels import _cudalib
+
+    missing = _cudalib.Library("none.so", "TSI_TEST_NO_SUCH_VAR", lambda lib: None)
+    missing.path = lambda: str(tmp_path / "none.so")
+    assert not missing.available() and "not built" in missing.load_error
+
+    def declare(lib):
+        lib.tsi_function_that_does_not_exist.restype = None
+
+    stale = _cudalib.Library("stale.so", "TSI_TEST_NO_SUCH_VAR", declare)
+    stale.path = lambda: torch._C.__file__  # a loadable library without the declared function
+    assert not stale.available() and "stale build" in stale.load_error and stale.lib is None

@@ -3,7 +3,10 @@
 * the Triton scoring and cache tests (``test_triton_kernels.py``) under triton's interpreter on small shapes,
   every kernel against the reference (issue 4 asks CI to run them there);
 * a part of the CUDA top-k tests (``test_topk_cuda.py``) against the CPU emulation build of ``csrc/``
-  (``csrc/emu``: the same kernel source with small tuning constants, so small rows reach every path).
+  (``csrc/emu``: the same kernel source with small tuning constants, so small rows reach every path);
+* the CUDA decode scoring kernels (``csrc/scoring.cu``) against their CPU emulation build (``wgmma`` and
+  ``cp.async`` emulated): ``test_cuda_scoring.py`` and the paged tests of ``test_triton_kernels.py`` on the
+  ``cuda`` backend (edge cases, MTP rows, views, bf16, the MXFP4 fold and per-group paths).
 
 Each runs in a subprocess because the interpreter and the emulator are chosen when those modules are imported.
 Skipped where triton (interpreter) or g++ (emulator) is missing, and with ``TSI_SKIP_EMULATED=1`` (together they add
@@ -33,7 +36,7 @@ TOPK_SUBSET = ("test_topk_random or (test_topk_patterns and 1023) or test_topk_o
 
 def _pytest(args, env_extra, timeout):
     env = dict(os.environ)
-    for k in ("TSI_TOPK_EMU", "TRITON_INTERPRET", "TSI_TEST_DEVICE"):
+    for k in ("TSI_TOPK_EMU", "TRITON_INTERPRET", "TSI_TEST_DEVICE", "TORCH_SPARSE_INDEXER_SCORING_LIB"):
         env.pop(k, None)
     env.update(env_extra)
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
@@ -57,3 +60,16 @@ def test_topk_kernels_under_emulator(tmp_path):
                        capture_output=True, text=True, timeout=900)
     assert b.returncode == 0, b.stderr[-4000:]
     _pytest(["tests/test_topk_cuda.py", "-k", TOPK_SUBSET], {"TSI_TOPK_EMU": lib}, timeout=3600)
+
+
+def test_cuda_scoring_kernels_under_emulator(tmp_path):
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++ for the emulation build")
+    lib = str(tmp_path / "scoring_emu.so")
+    b = subprocess.run(["bash", os.path.join(ROOT, "csrc", "emu", "build_emu.sh"), lib], cwd=ROOT,
+                       env={**os.environ, "CSRC": "scoring.cu"}, capture_output=True, text=True, timeout=900)
+    assert b.returncode == 0, b.stderr[-4000:]
+    _pytest(["tests/test_cuda_scoring.py"], {"TORCH_SPARSE_INDEXER_SCORING_LIB": lib}, timeout=1800)
+    pytest.importorskip("triton")
+    _pytest(["tests/test_triton_kernels.py", "-k", "cuda"],
+            {"TORCH_SPARSE_INDEXER_SCORING_LIB": lib, "TRITON_INTERPRET": "1", "TSI_TEST_DEVICE": "cpu"}, timeout=1800)

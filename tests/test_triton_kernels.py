@@ -46,12 +46,16 @@ ops = torch.ops.sparse_indexer
 @pytest.fixture(params=["triton", "cuda"])
 def paged_backend(request):
     """The paged decode tests run on the Triton kernels and on the CUDA ones (``kernels/cuda_scoring.py``, SM90,
-    up to 64 heads), each forced."""
+    up to 64 heads), each forced; under the interpreter on CPU tensors the CUDA ones run when the CPU emulation
+    build of ``csrc/scoring.cu`` is the loaded scoring library (``test_emulated_kernels.py``)."""
     if request.param == "cuda":
-        if INTERPRET or not torch.cuda.is_available():
-            pytest.skip("the CUDA scoring kernels need the GPU")
         from torch_sparse_indexer.kernels import cuda_scoring
-        if not cuda_scoring.available():
+        if cuda_scoring.emulated():  # TORCH_SPARSE_INDEXER_SCORING_LIB = the CPU emulation build (csrc/emu)
+            if DEV != "cpu":
+                pytest.skip("the CUDA scoring emulation build takes CPU tensors (TSI_TEST_DEVICE=cpu)")
+        elif INTERPRET or not torch.cuda.is_available():
+            pytest.skip("the CUDA scoring kernels need the GPU (or their CPU emulation build)")
+        elif not cuda_scoring.available():
             pytest.skip(f"CUDA scoring library: {cuda_scoring._LIB.load_error}")
         # its FP8 path too (dispatch sends FP8 to the Triton kernels unless enabled)
         request.getfixturevalue("monkeypatch").setitem(cuda_scoring.CONFIG_OVERRIDES, "fp8", True)
@@ -60,14 +64,17 @@ def paged_backend(request):
 
 @contextlib.contextmanager
 def _paged(backend):
-    """Force ``backend``; a call the CUDA kernels decline (e.g. 128 heads, or not SM90) skips the test."""
-    with backends.use_backend(backend):
+    """Force ``backend``; a call the CUDA kernels decline (e.g. 128 heads, or not SM90) skips the test. Every op
+    inside must have run on ``backend`` (a backend missing from the registry would silently mean automatic)."""
+    with backends.use_backend(backend), backends.record_dispatch() as ran:
         try:
             yield
         except NotImplementedError as e:
             if backend == "cuda":
                 pytest.skip(f"cuda backend declines: {e}")
             raise
+    paged = [name for op, name in ran if op.startswith("paged")]
+    assert paged and all(name == backend for name in paged), f"forced {backend!r}, ran {sorted(set(ran))}"
 
 # (fmt, D, H): every head count the brief names at D = 128 for FP8, a spread elsewhere, kept small so the
 # number of distinct compiled variants stays bounded.

@@ -32,6 +32,9 @@ inline const char* cudaGetErrorString(cudaError_t e) {
 struct uint4 {
   unsigned x, y, z, w;
 };
+struct uint2 {
+  unsigned x, y;
+};
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 struct emu_dim3 {
   unsigned x = 0, y = 0, z = 0;
@@ -54,6 +57,8 @@ struct Block {
   std::barrier<> bar;
   std::vector<unsigned char> smem;
   std::vector<std::unique_ptr<Warp>> warps;
+  std::atomic<int> vote{0};  // __syncthreads_or / __syncthreads_and
+  uint32_t scratch[2 * 4 * 128];  // emulated collective operations (the scoring kernels' wgmma)
 };
 
 inline thread_local Block* tl_block = nullptr;
@@ -105,6 +110,30 @@ inline void launch(int grid, int threads, int smem_bytes, const std::function<vo
   }
 }
 
+// A two-dimensional grid (blockIdx.x < gx, blockIdx.y < gy), blocks one after another.
+inline void launch_xy(int gx, int gy, int threads, int smem_bytes, const std::function<void()>& fn) {
+  for (int y = 0; y < gy; ++y) {
+    for (int b = 0; b < gx; ++b) {
+      Block blk(threads, smem_bytes);
+      std::vector<std::thread> ts;
+      ts.reserve(threads);
+      for (int t = 0; t < threads; ++t) {
+        ts.emplace_back([&, t, b, y]() {
+          threadIdx.x = t;
+          blockIdx.x = b;
+          blockIdx.y = y;
+          blockDim.x = threads;
+          gridDim.x = gx;
+          gridDim.y = gy;
+          tl_block = &blk;
+          fn();
+        });
+      }
+      for (auto& th : ts) th.join();
+    }
+  }
+}
+
 // grid blocks in clusters of `cluster` consecutive blocks; clusters run one after another.
 inline void launch_cluster(int grid, int cluster, int threads, int smem_bytes, const std::function<void()>& fn) {
   for (int c0 = 0; c0 < grid; c0 += cluster) {
@@ -147,6 +176,20 @@ inline T* tsi_cluster_map(T* p, unsigned rank) {
 #define TSI_DYN_SMEM(name) unsigned char* name = tsi_emu::tl_block->smem.data()
 
 inline void __syncthreads() { tsi_emu::tl_block->bar.arrive_and_wait(); }
+// Block-wide votes: the count of threads with p, read after a barrier, reset after another.
+inline int tsi_emu_block_count(int p) {
+  auto* b = tsi_emu::tl_block;
+  b->bar.arrive_and_wait();
+  if (p) b->vote.fetch_add(1);
+  b->bar.arrive_and_wait();
+  const int n = b->vote.load();
+  b->bar.arrive_and_wait();
+  if (threadIdx.x == 0) b->vote.store(0);
+  b->bar.arrive_and_wait();
+  return n;
+}
+inline int __syncthreads_or(int p) { return tsi_emu_block_count(p != 0) > 0; }
+inline int __syncthreads_and(int p) { return tsi_emu_block_count(p == 0) == 0; }
 
 template <class T>
 inline T __shfl_up_sync(unsigned, T v, unsigned d) {

@@ -3,6 +3,7 @@ toolchain is importable; importing never compiles a kernel (``warmup()`` does, a
 
 import importlib.util as _ilu
 import logging as _logging
+import os as _os
 
 import torch as _torch
 
@@ -45,3 +46,10 @@ if _torch.cuda.is_available():
                 _mod.register()
         except Exception as _e:  # a broken or foreign build must not break the other backends
             _log.warning("torch_sparse_indexer: %s kernels not registered (%s)", _name, _e)
+elif _os.environ.get("TORCH_SPARSE_INDEXER_SCORING_LIB"):
+    # Developer hook: the CPU emulation build of the scoring kernels (csrc/emu) named by that variable serves
+    # CPU tensors (tests: the kernels' logic without a GPU).
+    from . import cuda_scoring as _cs
+
+    if _cs.emulated():
+        _cs.register()

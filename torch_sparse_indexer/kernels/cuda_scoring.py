@@ -42,7 +42,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tsi_scoring_ctas_per_sm.argtypes = [i32, i32, i32, i32]
     lib.tsi_scoring_set_depth.argtypes = [i32]
     for f in (lib.tsi_paged_scores, lib.tsi_scoring_ctas_per_sm, lib.tsi_scoring_set_depth, lib.tsi_scoring_version,
-              lib.tsi_scoring_max_heads, lib.tsi_scoring_max_tiles, lib.tsi_scoring_tile):
+              lib.tsi_scoring_max_heads, lib.tsi_scoring_max_tiles, lib.tsi_scoring_tile, lib.tsi_scoring_emulated):
         f.restype = ctypes.c_int
     lib.tsi_scoring_error_string.argtypes = [ctypes.c_int]
     lib.tsi_scoring_error_string.restype = ctypes.c_char_p
@@ -54,6 +54,13 @@ _LIB = _cudalib.Library(LIB_NAME, "TORCH_SPARSE_INDEXER_SCORING_LIB", _declare)
 def available() -> bool:
     """True when the library is built and loaded (loads it on first call)."""
     return _LIB.available()
+
+
+def emulated() -> bool:
+    """True when the loaded library is the CPU emulation build (``csrc/emu/build_emu.sh`` with
+    ``CSRC=scoring.cu``, loaded through ``TORCH_SPARSE_INDEXER_SCORING_LIB``): it takes CPU tensors, not CUDA
+    ones, and runs the kernels' logic on threads (for tests; not a performance model)."""
+    return available() and bool(_LIB.lib.tsi_scoring_emulated())
 
 
 def set_depth(depth: int = 0) -> int:
@@ -81,11 +88,14 @@ def program_tiles(rows: int, width: int, D: int, fp4: bool, H: int, sparse: bool
 
 def _supports(q, q_scale, kv_cache, weights, context_lens, block_table, req_indices, candidate_blocks,
               logits) -> Optional[str]:
-    if not q.is_cuda:
+    if not q.is_cuda and not emulated():
         return f"needs CUDA tensors, got {q.device}"
     if not available():
         return _LIB.load_error or "library not loaded"
-    if _cudalib.capability(q) != (9, 0):
+    if emulated():
+        if q.is_cuda:
+            return "the loaded scoring library is the CPU emulation build (it takes CPU tensors)"
+    elif _cudalib.capability(q) != (9, 0):
         return f"needs compute capability 9.0 (sm_90a wgmma), got {_cudalib.capability(q)}"
     if q.dtype == formats.FP8_DTYPE and not CONFIG_OVERRIDES.get("fp8", False):
         return "FP8 caches go to the Triton kernel (faster on the H200; CONFIG_OVERRIDES['fp8'] enables this one)"
