@@ -29,9 +29,9 @@ _LOGITS_CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 # Benchmarks may force the tiles per program ("row_tiles") to compare grids; the default sizes the grid from
 # the shapes and the occupancy (never from timing). "fp8": True lets this backend take FP8 caches, which it
-# declines by default: at the decode targets the Triton FP8 kernels measured faster on the H200 (sparse 92 vs
-# 98 us, dense 619 vs 655-674 us), while for MXFP4 this one is (sparse 104 vs 119 us, dense 686-718 vs 826 us;
-# benchmarks/NOTES.md, run 62).
+# declines by default: at the decode targets the Triton FP8 kernels measured faster on the H200 (sparse 90.4 vs
+# 93.9 us; dense within 1%), while for MXFP4 this one is (sparse 84.1 vs 118.5 us, dense 573-595 vs 826 us;
+# benchmarks/NOTES.md, runs 69-70).
 CONFIG_OVERRIDES: dict = {}
 
 
