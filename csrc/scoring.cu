@@ -14,7 +14,7 @@
 // scale that does not fold scores its columns again the per-group way (per-group partial products, fp32 scale
 // multiplies).
 #ifdef TSI_EMULATE
-#include "emu/scoring_emu.h"  // CPU emulation build (csrc/emu/build_emu.sh scoring): the PTX below, in C++
+#include "emu/scoring_emu.h"  // CPU emulation build (CSRC=scoring.cu csrc/emu/build_emu.sh): the PTX below, in C++
 #else
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -598,7 +598,7 @@ struct Program {
     }
     const uint64_t desc_f = b_desc<N>(sm.qf);
     bool bad = false;
-    if (ok) {
+    if (ok && ntile > 0) {  // (with no tile the table is not filled: issue() reads tile 0's entries past the end)
 #pragma unroll
       for (int s = 0; s < P - 1; ++s) issue(s, s);
       int rd = 0, wr_stage = P - 1;

@@ -91,25 +91,6 @@ inline void warp_gather(T v, T (&all)[32]) {
   w->bar.arrive_and_wait();
 }
 
-inline void launch(int grid, int threads, int smem_bytes, const std::function<void()>& fn) {
-  for (int b = 0; b < grid; ++b) {
-    Block blk(threads, smem_bytes);
-    std::vector<std::thread> ts;
-    ts.reserve(threads);
-    for (int t = 0; t < threads; ++t) {
-      ts.emplace_back([&, t, b]() {
-        threadIdx.x = t;
-        blockIdx.x = b;
-        blockDim.x = threads;
-        gridDim.x = grid;
-        tl_block = &blk;
-        fn();
-      });
-    }
-    for (auto& th : ts) th.join();
-  }
-}
-
 // A two-dimensional grid (blockIdx.x < gx, blockIdx.y < gy), blocks one after another.
 inline void launch_xy(int gx, int gy, int threads, int smem_bytes, const std::function<void()>& fn) {
   for (int y = 0; y < gy; ++y) {
@@ -132,6 +113,10 @@ inline void launch_xy(int gx, int gy, int threads, int smem_bytes, const std::fu
       for (auto& th : ts) th.join();
     }
   }
+}
+
+inline void launch(int grid, int threads, int smem_bytes, const std::function<void()>& fn) {
+  launch_xy(grid, 1, threads, smem_bytes, fn);
 }
 
 // grid blocks in clusters of `cluster` consecutive blocks; clusters run one after another.

@@ -51,7 +51,6 @@ class Library:
             self.load_error = f"cannot load {path}: {e}"
             return False
         except AttributeError as e:  # a build older than this package (a function it declares is missing)
-            self.lib = None
             self.load_error = f"stale build {path} ({e}): rebuild (pip install . or csrc/build.sh)"
             return False
         return True
