@@ -1,5 +1,5 @@
 // CPU stand-ins for what the decode scoring kernels (csrc/scoring.cu) take from CUDA headers and PTX, for the
-// emulation build (csrc/emu/build_emu.sh scoring): logic checks of the kernels on a machine without a GPU.
+// emulation build (CSRC=scoring.cu csrc/emu/build_emu.sh): logic checks of the kernels on a machine without a GPU.
 // wgmma runs synchronously: every thread of the warpgroup (= the CTA) deposits its A registers, a barrier, each
 // thread computes its own accumulator fragment from all A fragments and the shared-memory B matrix its
 // descriptor addresses. cp.async copies at once. Not a performance model.
@@ -62,7 +62,7 @@ inline unsigned char __nv_cvt_float_to_fp8(float f, __nv_saturation_t, __nv_fp8_
   const unsigned char sign = std::signbit(f) ? 0x80 : 0;
   const double a = std::fabs((double)f);
   if (a == 0.0) return sign;
-  if (a >= 464.0) return sign | 0x7E;  // 464 and up round past 448 (e4m3 has no infinity): saturate
+  if (a >= 464.0) return sign | 0x7E;  // 464 rounds (to even) to 448, larger values past it: saturate
   int e;
   std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
   e -= 1;             // a = 1.x * 2^e
