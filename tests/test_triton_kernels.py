@@ -64,8 +64,8 @@ def paged_backend(request):
 
 @contextlib.contextmanager
 def _paged(backend):
-    """Force ``backend``; a call the CUDA kernels decline (e.g. 128 heads, or not SM90) skips the test. Every op
-    inside must have run on ``backend`` (a backend missing from the registry would silently mean automatic)."""
+    """Force ``backend``; a call the CUDA kernels decline (e.g. 128 heads, or not SM90) skips the test. Every paged
+    op inside must have run on ``backend`` (a backend missing from the registry would silently mean automatic)."""
     with backends.use_backend(backend), backends.record_dispatch() as ran:
         try:
             yield
