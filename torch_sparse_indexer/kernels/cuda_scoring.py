@@ -22,7 +22,7 @@ import torch
 
 from .. import backends, formats
 from . import _cudalib
-from .grid import row_tiles
+from .grid import cdiv, row_tiles
 
 LIB_NAME = "libsparse_indexer_scoring.so"
 _LOGITS_CODE = {torch.float32: 0, torch.bfloat16: 1}
@@ -118,7 +118,7 @@ def _supports(q, q_scale, kv_cache, weights, context_lens, block_table, req_indi
     if logits.dtype not in _LOGITS_CODE or (logits.shape[1] > 1 and logits.stride(1) != 1):
         return "logits must be float32 or bfloat16 with stride(-1) == 1"
     L = logits.shape[1]
-    if -(-L // (64 * int(_LIB.lib.tsi_scoring_max_tiles()))) > 65535:
+    if cdiv(L, 64 * int(_LIB.lib.tsi_scoring_max_tiles())) > 65535:
         return f"logits width {L} too large for the grid"
     return None
 
