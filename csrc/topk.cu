@@ -171,6 +171,22 @@ int tsi_topk_phase_cycles(unsigned long long* out) {
 #endif
 }
 
+// Development builds with -DTSI_PHASE_TIMING: %globaltimer (ns) at the start and the end of thread 0 of each of
+// the first n blocks (n <= 4096) of the last launches, as out[2 * b], out[2 * b + 1]; then clears them. Returns -1
+// in other builds.
+int tsi_topk_phase_spans(unsigned long long* out, int n) {
+#if defined(TSI_PHASE_TIMING) && !defined(TSI_EMULATE)
+  if (n < 0 || n > tsi::SPAN_BLOCKS) return (int)cudaErrorInvalidValue;
+  static unsigned long long zero[2 * tsi::SPAN_BLOCKS] = {};
+  const cudaError_t e = cudaMemcpyFromSymbol(out, tsi::g_span, sizeof(unsigned long long) * 2 * n);
+  return (int)(e != cudaSuccess ? e : cudaMemcpyToSymbol(tsi::g_span, zero, sizeof(zero)));
+#else
+  (void)out;
+  (void)n;
+  return -1;
+#endif
+}
+
 const char* tsi_topk_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 
 // topk over columns [0, lengths[r]) of logits [rows, width] (row stride in elements, unit column

@@ -66,15 +66,36 @@ namespace tsi {
 
 // Phase timing for development (-DTSI_PHASE_TIMING builds only): thread 0 of block 0 records clock64() at
 // numbered points of its row; tsi_topk_phase_cycles() reads them back. Compiled out otherwise.
+// TSI_SPAN (once at the top of a kernel): thread 0 of blocks < SPAN_BLOCKS records %globaltimer at its start
+// and its end in g_span, for the spread of CTA start and end times (tsi_topk_phase_spans()).
 #if defined(TSI_PHASE_TIMING) && !defined(TSI_EMULATE)
 __device__ unsigned long long g_phase[32];
+constexpr int SPAN_BLOCKS = 4096;
+__device__ unsigned long long g_span[2 * SPAN_BLOCKS];
 #define TSI_MARK(i)                                                        \
   do {                                                                     \
     if (blockIdx.x == 0 && threadIdx.x == 0) g_phase[(i)] = clock64();     \
   } while (0)
+__device__ __forceinline__ unsigned long long tsi_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+struct SpanGuard {
+  __device__ SpanGuard() {
+    if (threadIdx.x == 0 && blockIdx.x < SPAN_BLOCKS) g_span[2 * blockIdx.x] = tsi_globaltimer();
+  }
+  __device__ ~SpanGuard() {
+    if (threadIdx.x == 0 && blockIdx.x < SPAN_BLOCKS) g_span[2 * blockIdx.x + 1] = tsi_globaltimer();
+  }
+};
+#define TSI_SPAN SpanGuard tsi_span_guard_
 #else
 #define TSI_MARK(i) \
   do {              \
+  } while (0)
+#define TSI_SPAN \
+  do {           \
   } while (0)
 #endif
 
@@ -197,6 +218,18 @@ struct Chunks {
     return c0 >= (h > 0 ? 1 : 0) && (long long)(c0 + n) * V <= (long long)ncols + h;
   }
   __device__ __forceinline__ Raw load_full(int c) const { return load16(abase + (long long)c * 16); }
+  // Asks L2 for bytes [from, from + bytes) of the row's chunks (clipped to them), one 128-byte line per thread
+  // and step.
+  __device__ __forceinline__ void prefetch_l2(long long from, int bytes) const {
+#ifndef TSI_EMULATE
+    const long long end = (long long)nchunks * 16 < from + bytes ? (long long)nchunks * 16 : from + bytes;
+    for (long long o = from + 128LL * threadIdx.x; o < end; o += 128LL * THREADS)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(abase + o));
+#else
+    (void)from;
+    (void)bytes;
+#endif
+  }
   __device__ __forceinline__ Raw load(int c) const {
     Raw r;
     r.w[0] = r.w[1] = r.w[2] = r.w[3] = 0u;
@@ -653,16 +686,31 @@ __device__ void find_bin(Smem& sm, uint32_t need) {
 }
 
 struct Thresh {
-  uint32_t tkey;     // select key > tkey, ...
-  uint32_t need_eq;  // ... and the first need_eq elements (index order) with key == tkey
+  uint32_t tkey;        // select key > tkey, ...
+  uint32_t need_eq;     // ... and the first need_eq elements (index order) with key == tkey
+  bool marked = false;  // the selection is already in the bitmaps (warp_select with Marks)
 };
+
+// Bitmaps of the selection over element indices (G: key > tkey, Q: key == tkey) and the element index of each
+// buffered key, for warp_select to mark while it resolves (see mark_selected).
+struct Marks {
+  const uint32_t* I;
+  uint32_t* G;
+  uint32_t* Q;
+};
+
+__device__ Thresh warp_select(Smem& sm, const uint32_t* keys, int count, uint32_t lo, uint32_t span, uint32_t need,
+                              const Marks* mk);
 
 // Refines the threshold. Precondition: hist holds the digit histogram at prefix length L among the
 // elements with prefix P, and 1 <= need <= their count; or, with have_bin, find_bin<NBINS>(sm, need) has
 // just read that histogram (ctl holds its result). next_hist(L, P) must rebuild hist for the next digit
-// from the zero histogram find_bin leaves, and end with a barrier.
+// from the zero histogram find_bin leaves, and end with a barrier. With the elements' keys in shared memory
+// (keys, count: zero for no element), a bin of at most 32 keys is finished by warp_select (marking the
+// selection where mk is given).
 template <class NextHist>
-__device__ Thresh resolve(Smem& sm, int L, uint32_t P, uint32_t need, NextHist&& next_hist, bool have_bin = false) {
+__device__ Thresh resolve(Smem& sm, int L, uint32_t P, uint32_t need, NextHist&& next_hist, bool have_bin = false,
+                          const uint32_t* keys = nullptr, int count = 0, const Marks* mk = nullptr) {
   while (true) {
     const int w = (L == 22) ? 10 : 11;
     if (have_bin) have_bin = false;
@@ -683,6 +731,11 @@ __device__ Thresh resolve(Smem& sm, int L, uint32_t P, uint32_t need, NextHist&&
       t.tkey = P;
       t.need_eq = need;
       return t;
+    }
+    if (keys != nullptr && cnt <= 32u) {
+      const uint32_t lo = P << (32 - L), span = (1u << (32 - L)) - 1u;  // 11 <= L <= 22
+      return lo == 0u ? warp_select(sm, keys, count, 1u, span - 1u, need, mk)
+                      : warp_select(sm, keys, count, lo, span, need, mk);
     }
     next_hist(L, P);
   }
@@ -775,38 +828,149 @@ __device__ void smem_select(Smem& sm, int& par, const uint32_t* keys, int count,
   }
 }
 
-// Histogram of the digit at prefix length L over `count` keys in shared memory with prefix P, added to the
-// zero histogram find_bin leaves (after its final barrier). Ends with a barrier. Whole 16-byte groups without
-// per-key bounds tests, the last count % 4 keys by one thread: the sweep runs once or twice per shared-memory
-// row over all its keys, and its per-key instructions were a quarter of that kernel's (NOTES.md).
-__device__ void smem_hist(Smem& sm, const uint32_t* keys, int count, int L, uint32_t P) {
-  const int s = digit_shift(L);
-  const uint32_t msk = digit_mask(L);
-  const uint32_t pmask = L == 0 ? 0u : 0xffffffffu << (32 - L);  // has_prefix without the L == 0 branch
-  const uint32_t pval = L == 0 ? 0u : P << (32 - L);
+// Histogram over `count` keys in shared memory, added to the zero histogram find_bin leaves (after its final
+// barrier): bin_of(key, bin) says whether the key counts and sets its bin. Ends with a barrier. Whole 16-byte
+// groups without per-key bounds tests, the last count % 4 keys by one thread: the sweep runs once or twice per
+// shared-memory row over all its keys, and its per-key instructions were a quarter of that kernel's (NOTES.md).
+template <class BinOf>
+__device__ void smem_hist_by(Smem& sm, const uint32_t* keys, int count, BinOf&& bin_of) {
   const int nv = count >> 2;
   for (int v = threadIdx.x; v < nv; v += THREADS) {
     const uint4 q = *reinterpret_cast<const uint4*>(keys + 4 * v);
     const uint32_t key[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-      hist_inc(sm, (key[j] >> s) & msk, key[j] != 0u && (key[j] & pmask) == pval);
+    for (int j = 0; j < 4; ++j) {
+      uint32_t b;
+      const bool ok = bin_of(key[j], b);
+      hist_inc(sm, b, ok);
+    }
   }
   if (threadIdx.x == 0)
-    for (int i = nv * 4; i < count; ++i)
-      if (has_prefix(keys[i], L, P)) atomicAdd(&sm.hist[(keys[i] >> s) & msk], 1u);
+    for (int i = nv * 4; i < count; ++i) {
+      uint32_t b;
+      if (bin_of(keys[i], b)) atomicAdd(&sm.hist[b], 1u);
+    }
   __syncthreads();
+}
+
+// The digit at prefix length L of the keys with prefix P.
+__device__ void smem_hist(Smem& sm, const uint32_t* keys, int count, int L, uint32_t P) {
+  const int s = digit_shift(L);
+  const uint32_t msk = digit_mask(L);
+  const uint32_t pmask = L == 0 ? 0u : 0xffffffffu << (32 - L);  // has_prefix without the L == 0 branch
+  const uint32_t pval = L == 0 ? 0u : P << (32 - L);
+  smem_hist_by(sm, keys, count, [&](uint32_t key, uint32_t& b) {
+    b = (key >> s) & msk;
+    return key != 0u && (key & pmask) == pval;
+  });
+}
+
+// The threshold of the need-th best of the keys in [lo, lo + span] (lo >= 1), at most 32 of them, among the
+// `count` keys in shared memory (need >= 1, need <= their number): one sweep gathers them (with their element
+// indices) into hist[0, 64) (counted in hist[NBINS - 1]; find_bin leaves all of hist zero, and this leaves it
+// so again), and one warp ranks them by comparing each with every other. Replaces the remaining histogram
+// levels (a sweep and a find_bin each, three barriers) whenever the threshold's bin holds few keys, which a bin
+// of a digit spanning the keys' range usually does. With mk, the same sweep also marks the keys above the bin
+// (all selected) in the bitmaps and the warp marks the bin's selected keys, so that no mark_selected sweep
+// follows (the result says marked). Starts after find_bin; ends with a barrier.
+__device__ Thresh warp_select(Smem& sm, const uint32_t* keys, int count, uint32_t lo, uint32_t span, uint32_t need,
+                              const Marks* mk) {
+  uint32_t* list = sm.hist;
+  const uint32_t top = lo + span;  // no wrap: keys <= key(+inf) = 2^32 - 2^23 and spans < 2^22
+  for (int i = threadIdx.x; i < count; i += THREADS) {
+    const uint32_t key = keys[i];
+    if (key - lo <= span) {
+      const uint32_t slot = atomicAdd(&sm.hist[NBINS - 1], 1u);
+      list[slot] = key;
+      if (mk != nullptr) list[32 + slot] = mk->I[i];
+    } else if (mk != nullptr && key > top) {
+      const uint32_t idx = mk->I[i];
+      atomicOr(&mk->G[idx >> 5], 1u << (idx & 31u));
+    }
+  }
+  __syncthreads();
+  TSI_MARK(22);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const uint32_t n = sm.hist[NBINS - 1];
+    const uint32_t v = (uint32_t)lane < n ? list[lane] : 0u;  // 0 is below every key here (lo >= 1)
+    const uint32_t idx = mk != nullptr ? list[32 + lane] : 0u;
+    __syncwarp();
+    list[lane] = 0u;
+    list[32 + lane] = 0u;
+    if (lane == 0) sm.hist[NBINS - 1] = 0u;
+    uint32_t gt = 0u, eq = 0u;  // keys above v, keys equal to v (v itself included)
+#pragma unroll 8
+    for (int o = 0; o < 32; ++o) {
+      const uint32_t w = __shfl_sync(FULL, v, o);
+      gt += w > v;
+      eq += w == v;
+    }
+    const bool hit = (uint32_t)lane < n && gt < need && need <= gt + eq;
+    const unsigned who = __ballot_sync(FULL, hit);
+    const int first = __ffs((int)who) - 1;
+    // Every key equal to the threshold key taken: select key > it - 1, no tie to break.
+    const uint32_t tv = __shfl_sync(FULL, v, first), tg = __shfl_sync(FULL, gt, first);
+    const uint32_t te = __shfl_sync(FULL, eq, first);
+    const uint32_t tkey = need == tg + te ? tv - 1u : tv, need_eq = need == tg + te ? 0u : need - tg;
+    if (lane == 0) {
+      sm.ctl[0] = tkey;
+      sm.ctl[1] = need_eq;
+    }
+    if (mk != nullptr && (uint32_t)lane < n) {
+      if (v > tkey) atomicOr(&mk->G[idx >> 5], 1u << (idx & 31u));
+      else if (need_eq > 0u && v == tkey) atomicOr(&mk->Q[idx >> 5], 1u << (idx & 31u));
+    }
+  }
+  __syncthreads();
+  Thresh t;
+  t.tkey = sm.ctl[0];
+  t.need_eq = sm.ctl[1];
+  t.marked = mk != nullptr;
+  return t;
+}
+
+// The threshold of the need-th best of the c keys in shared memory (1 <= need <= c), all in [lo, hi], lo >= 1:
+// a radix select on key - lo whose first digit spans [lo, hi] (2048 bins of 2^s keys), then finer digits of 11
+// bits, until the threshold's bin holds at most 32 keys (warp_select) or one key value. A buffer of keys above
+// a sampled threshold falls in a few bins of the top digit of the key itself; bins spanning its actual range
+// hold ~10 keys each near the k-th best of random rows. hist must be zero (find_bin leaves it so). mk: as
+// warp_select. Ends with a barrier.
+__device__ Thresh buffer_resolve(Smem& sm, const uint32_t* keys, int c, uint32_t lo, uint32_t hi, uint32_t need,
+                                 const Marks* mk = nullptr) {
+  while (true) {
+    const uint32_t span = hi - lo;
+    const int s = span < (uint32_t)NBINS ? 0 : 21 - __clz((int)span);  // span >> s < NBINS
+    smem_hist_by(sm, keys, c, [&](uint32_t key, uint32_t& b) {
+      const uint32_t r = key - lo;
+      b = r >> s;
+      return r <= span;
+    });
+    TSI_MARK(20);
+    find_bin<NBINS>(sm, need);
+    TSI_MARK(21);
+    const uint32_t B = sm.ctl[0], above = sm.ctl[1], cnt = sm.ctl[2];
+    need -= above;
+    lo += B << s;
+    const uint32_t top = lo + ((1u << s) - 1u);  // no wrap: keys <= key(+inf) = 2^32 - 2^23, s <= 21
+    hi = top < hi ? top : hi;
+    Thresh t;
+    if (cnt == need || lo == hi) {  // the whole bin taken (no tie to break), or a bin of one key value
+      t.tkey = cnt == need ? lo - 1u : lo;
+      t.need_eq = cnt == need ? 0u : need;
+      return t;
+    }
+    if (cnt <= 32u) return warp_select(sm, keys, c, lo, hi - lo, need, mk);
+  }
 }
 
 // Expected number of elements at or above a sampled threshold: T = floor(sqrt(k * cap)), as far from k as
 // from cap by ratio, so that the buffer of cap elements usually holds all T and T >= k.
 __device__ __forceinline__ int target_count(int kk, int cap) {
-  int T = kk, hi = cap;  // kk <= cap <= 8192: all products < 2^31
-  while (T < hi) {
-    const int mid = (T + hi + 1) >> 1;
-    if (mid * mid <= kk * cap) T = mid;
-    else hi = mid - 1;
-  }
+  const int p = kk * cap;  // kk <= cap <= 8192: all products < 2^31
+  int T = (int)sqrtf((float)p);  // within one of the answer; no search loop on the row's critical path
+  while (T * T > p) --T;
+  while ((T + 1) * (T + 1) <= p) ++T;
   return T;
 }
 
@@ -814,9 +978,11 @@ __device__ __forceinline__ int target_count(int kk, int cap) {
 // from two histogram levels; hist already holds the sample's top digit (built while the sample was gathered).
 __device__ uint32_t sample_tau(Smem& sm, const uint32_t* keys, int sv, uint32_t j) {
   find_bin<NBINS>(sm, j);
+  TSI_MARK(23);
   const uint32_t B1 = sm.ctl[0];
   const uint32_t need = j - sm.ctl[1];
   smem_hist(sm, keys, sv, 11, B1);
+  TSI_MARK(24);
   find_bin<NBINS>(sm, need);
   const uint32_t tau = (B1 << 21) | (sm.ctl[0] << 10);
   return tau == 0u ? 1u : tau;  // key 0 is "no element"
@@ -1294,9 +1460,11 @@ __device__ void smem_bitmap_select(Smem& sm, const uint32_t* K, int m, uint32_t 
     atomicAdd(&sm.hist[(key >> 10) & 0x7ffu], 1u);
   }
   __syncthreads();
-  const Thresh t = resolve(sm, 11, B, need, [&](int L, uint32_t P) { smem_hist(sm, BK, (int)c, L, P); });
+  const Marks mk{BI, G, Q};
+  const Thresh t =
+      resolve(sm, 11, B, need, [&](int L, uint32_t P) { smem_hist(sm, BK, (int)c, L, P); }, false, BK, (int)c, &mk);
   TSI_MARK(13);
-  mark_selected(G, Q, BK, BI, (int)c, t);
+  if (!t.marked) mark_selected(G, Q, BK, BI, (int)c, t);
   bitmap_emit<1>(sm, G, Q, W, t.need_eq, emit);
 }
 
@@ -1326,7 +1494,7 @@ __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   // filtered by the fixed prefix (no buffer can hold the bin).
   if (total > (uint32_t)kk)
     t = resolve(sm, 0, 0u, (uint32_t)kk, [&](int L, uint32_t P) { smem_hist(sm, K, round32(m), L, P); },
-                /*have_bin=*/true);
+                /*have_bin=*/true, K, round32(m));
   __syncthreads();
   TSI_MARK(13);
   smem_select<true>(sm, par, K, m, t, [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
@@ -1369,13 +1537,19 @@ struct Sample {
 // over the row (two of LIST_CAP words after the key and index buffers); longer rows keep the ordered pass.
 constexpr int BITMAP_ELEMS = 32 * LIST_CAP;
 
+#ifndef TSI_PREFETCH_KB
+#define TSI_PREFETCH_KB 64
+#endif
+constexpr int PREFETCH_BYTES = TSI_PREFETCH_KB * 1024;  // see sampled_mode
+
 // One batch of the sampled pass: buffers the batch's elements with key >= tau (fast: from the raw-bit test)
-// with their keys at the end of the buffer. ANY_ORDER: slots reserved per warp (no barrier; the counter is
-// sm.ctl[4]); else in index order through one block scan (the counter is run). Returns whether the buffer
-// still holds every element so far (warp-uniform, resp. CTA-uniform).
+// with their keys at the end of the buffer, and keeps the largest buffered key in mx. ANY_ORDER: slots
+// reserved per warp (no barrier; the counter is sm.ctl[4]); else in index order through one block scan (the
+// counter is run). Returns whether the buffer still holds every element so far (warp-uniform, resp.
+// CTA-uniform).
 template <int U, bool ANY_ORDER, class Src>
 __device__ __forceinline__ bool sampled_batch(Smem& sm, const Src& src, const Raw (&cur)[U], int base, bool fast,
-                                              uint32_t tau, int& par, uint32_t& run) {
+                                              uint32_t tau, int& par, uint32_t& run, uint32_t& mx) {
   static_assert(U * THREADS * Src::E < 65536, "batch counts");
   uint32_t* candK = sm.region;
   uint32_t* candI = sm.region + CAND_CAP;
@@ -1429,8 +1603,10 @@ __device__ __forceinline__ bool sampled_batch(Smem& sm, const Src& src, const Ra
         while (mk != 0u) {
           const int jj = __ffs((int)mk) - 1;
           mk &= mk - 1u;
+          const uint32_t kv = src.key_in(cur[u], jj);
+          mx = kv > mx ? kv : mx;
           if (oo < (uint32_t)CAND_CAP) {
-            candK[oo] = src.key_in(cur[u], jj);
+            candK[oo] = kv;
             candI[oo] = (uint32_t)src.index(c, jj);
           }
           ++oo;
@@ -1440,6 +1616,7 @@ __device__ __forceinline__ bool sampled_batch(Smem& sm, const Src& src, const Ra
 #pragma unroll
       for (int jj = 0; jj < Src::E; ++jj) {
         if (((mask[u] >> jj) & 1u) == 0u) continue;
+        mx = key[u][jj] > mx ? key[u][jj] : mx;
         if (oo < (uint32_t)CAND_CAP) {
           candK[oo] = key[u][jj];
           candI[oo] = (uint32_t)src.index(c, jj);
@@ -1471,6 +1648,10 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
 #pragma unroll
   for (int s = 0; s < S::TILES; ++s)
     raw[s] = src.load((int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x);
+  // The head of the row, on its way to L2 while the sample and its threshold take their few microseconds (HBM
+  // otherwise idle then, at one row per SM): the pass starts on it. (Prefetching ahead of the pass all along,
+  // one or more 64 KB batches ahead, was slower: NOTES.md, run 76.)
+  if constexpr (Src::KIND == DENSE) src.ch.prefetch_l2(0, PREFETCH_BYTES);
 #pragma unroll
   for (int s = 0; s < S::TILES; ++s) {
     const int c = (int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x;
@@ -1489,6 +1670,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   j = j < 1 ? 1 : j;
   if (j > sv) return false;
   const uint32_t tau = sample_tau(sm, candK, sv, (uint32_t)j);
+  TSI_MARK(25);
   // Dense rows and a positive threshold (the common case): the cheap bit test of DenseSrc::pos_mask, keys
   // computed only for the elements that pass (a loop over the set bits: about 3% of them). Other rows and
   // thresholds: keys computed for every element, as in stream_mode. (Buffering positions only and reading
@@ -1498,61 +1680,45 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   if constexpr (Src::KIND == DENSE) fast = tau > 0x80000000u;
   const bool bitmap = src.m <= BITMAP_ELEMS;
   const int W = (src.m + 31) >> 5;
-  if (threadIdx.x == 0) sm.ctl[4] = sm.ctl[5] = 0u;
+  if (threadIdx.x == 0) sm.ctl[4] = sm.ctl[6] = 0u;
   if (bitmap)
     for (int w = threadIdx.x; w < W; w += THREADS) G[w] = Q[w] = 0u;
   __syncthreads();
   TSI_MARK(2);
   int par = 0;
-  uint32_t run = 0u;
+  uint32_t run = 0u, mx = 0u;  // mx: the largest key buffered by this thread
   if (bitmap) {
     stream_while<UB, false>(src, [&](const Raw (&cur)[UB], int base) {
-      return sampled_batch<UB, true>(sm, src, cur, base, fast, tau, par, run);
+      return sampled_batch<UB, true>(sm, src, cur, base, fast, tau, par, run, mx);
     });
   } else {
     stream_while<U, false>(src, [&](const Raw (&cur)[U], int base) {
-      return sampled_batch<U, false>(sm, src, cur, base, fast, tau, par, run);
+      return sampled_batch<U, false>(sm, src, cur, base, fast, tau, par, run, mx);
     });
   }
+  mx = __reduce_max_sync(FULL, mx);  // the pass stops warp-uniformly
+  if ((threadIdx.x & 31) == 0 && mx != 0u) atomicMax(&sm.ctl[6], mx);
   __syncthreads();
   TSI_MARK(3);
   const uint32_t cnt = bitmap ? sm.ctl[4] : run;
   if (cnt < (uint32_t)kk || cnt > (uint32_t)CAND_CAP) return false;
   const int c = (int)cnt;
-  // Every buffered key is >= tau, so the k-th best lies in tau's top-digit bin Bt unless k of them lie above
-  // it: one sweep counts those and builds the bin's next-digit histogram, skipping the top level (whose
-  // histogram would pile the buffer onto a few bins).
-  const uint32_t Bt = tau >> 21;
-  uint32_t above = 0u;
-  for (int i = threadIdx.x; i < c; i += THREADS) {
-    const uint32_t key = candK[i], d = key >> 21;
-    above += d > Bt;
-    hist_inc(sm, (key >> 10) & 0x7ffu, d == Bt);
-  }
-  above = __reduce_add_sync(FULL, above);
-  if ((threadIdx.x & 31) == 0 && above != 0u) atomicAdd(&sm.ctl[5], above);
-  __syncthreads();
-  const uint32_t na = sm.ctl[5];
-  auto next_hist = [&](int L, uint32_t P) { smem_hist(sm, candK, c, L, P); };
-  Thresh t;
-  if (na < (uint32_t)kk) {
-    t = resolve(sm, 11, Bt, (uint32_t)kk - na, next_hist);
-  } else {
-    clear_hist(sm);
-    __syncthreads();
-    smem_hist(sm, candK, c, 0, 0u);
-    t = resolve(sm, 0, 0u, (uint32_t)kk, next_hist);
-  }
+  // Every buffered key lies in [tau, the largest]: a radix select on that range (sample_tau left hist zero).
+  // (Counting the first digit in the pass instead, over bins sized to the sample's range, made the pass spill
+  // and run 3x slower: NOTES.md, run 77.)
+  const Marks mk{candI, G, Q};
+  const Thresh t = buffer_resolve(sm, candK, c, tau, sm.ctl[6], (uint32_t)kk, bitmap ? &mk : nullptr);
   __syncthreads();
   TSI_MARK(4);
   if (bitmap) {
-    mark_selected(G, Q, candK, candI, c, t);
+    if (!t.marked) mark_selected(G, Q, candK, candI, c, t);
+    TSI_MARK(5);
     bitmap_emit<(LIST_CAP + THREADS - 1) / THREADS>(sm, G, Q, W, t.need_eq,
                                                    [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
   } else {
     smem_select(sm, par, candK, c, t, [&](uint32_t rank, int i) { out[rank] = src.pos((int)candI[i]); });
   }
-  TSI_MARK(5);
+  TSI_MARK(6);
   return true;
 }
 
@@ -1652,7 +1818,8 @@ __device__ void stream_mode(Smem& sm, const Src& src, int* out, int kk) {
   Thresh t = whole_bin;
   if (c1 != need1) {
     smem_hist(sm, candK, (int)c1, 11, B1);
-    t = resolve(sm, 11, B1, need1, [&](int L, uint32_t P) { smem_hist(sm, candK, (int)c1, L, P); });
+    t = resolve(sm, 11, B1, need1, [&](int L, uint32_t P) { smem_hist(sm, candK, (int)c1, L, P); }, false, candK,
+                (int)c1);
   }
   __syncthreads();
   smem_select(sm, par, candK, (int)c1, t, [&](uint32_t rank, int i) { sel[rank] = candI[i]; });
@@ -1786,6 +1953,7 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
   static_assert(U <= MAX_U, "scan scratch");
   TSI_DYN_SMEM(smem_raw);
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  TSI_SPAN;
   const int row = blockIdx.x;
   Src src(p, row);
   int* out = p.out + (long long)row * p.kk;

@@ -1,31 +1,52 @@
-"""Per-phase cycle counts of the top-k kernels' block 0 (development; needs a library built with
-``-DTSI_PHASE_TIMING``, given as TORCH_SPARSE_INDEXER_TOPK_LIB). Prints, per shape, the cycles between the
-recorded points (sampled mode: 0 start, 1 sample loaded, 2 threshold, 3 pass done, 4 exact threshold, 5 output;
-shared-memory mode: 10 start, 11 row loaded + histogram, 12 coarse bin, 13 exact threshold, 14 output).
-Usage: python scripts/phase_topk.py  (on the GPU machine)."""
+"""Per-phase cycle counts of the top-k kernels' block 0, and the spread of all CTAs' start and end times
+(development; needs a library built with ``-DTSI_PHASE_TIMING``, given as TORCH_SPARSE_INDEXER_TOPK_LIB).
+Prints, per shape, the cycles between the recorded points (sampled mode: 0 start, 1 sample loaded,
+2 threshold, 3 pass done, 4 exact threshold, 5 selection marked in the bitmaps, 6 output; shared-memory mode:
+10 start, 11 row loaded + histogram, 12 coarse bin, 13 exact threshold, 14 output; inside phases: 20 buffer
+histogram, 21 its bin, 22 warp_select's gather, 23-25 sample_tau's steps), in time order, then from %globaltimer:
+the kernel's span (first CTA start to last CTA end), the spread of CTA starts, and CTA durations
+(median, max). L2 is flushed before each launch. Usage: python scripts/phase_topk.py  (on the GPU machine)."""
 import ctypes
+import statistics
 
 import torch
 
 from torch_sparse_indexer.kernels import cuda_topk as ct
 
 SHAPES = [(1, 131072), (64, 131072), (128, 131072), (4096, 131072), (4096, 16384)]
+MHZ = 1980  # SM clock of the H200 under these loads (nvidia-smi in the same run's env.txt)
 ct.set_cluster_mode("off")
 lib = ct._LIB.lib
 lib.tsi_topk_phase_cycles.argtypes = [ctypes.c_void_p]
+lib.tsi_topk_phase_spans.argtypes = [ctypes.c_void_p, ctypes.c_int]
 g = torch.Generator().manual_seed(0)
+scrub = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 for R, W in SHAPES:
     x = torch.randn(R, W, generator=g).cuda()
     lens = torch.full((R,), W, dtype=torch.int32, device="cuda")
     out = torch.empty(R, 2048, dtype=torch.int32, device="cuda")
     buf = (ctypes.c_ulonglong * 32)()
+    n = min(R, 4096)
+    spans = (ctypes.c_ulonglong * (2 * n))()
     for _ in range(3):
         lib.tsi_topk_phase_cycles(ctypes.addressof(buf))  # clears the previous launch's points
+        lib.tsi_topk_phase_spans(ctypes.addressof(spans), n)
+        scrub.zero_()  # L2 flushed, as in the benchmarks
         ct.topk(x, lens, 2048, out)
         torch.cuda.synchronize()
     rc = lib.tsi_topk_phase_cycles(ctypes.addressof(buf))
+    rs = lib.tsi_topk_phase_spans(ctypes.addressof(spans), n)
     v = list(buf)
     pts = [i for i in range(32) if v[i]]
-    steps = [f"{a}->{b}: {(v[b] - v[a]) / 1980:.1f} us" for a, b in zip(pts, pts[1:]) if v[b] >= v[a]]
+    pts.sort(key=lambda i: v[i])  # in time order (points inside phases have numbers >= 20)
+    steps = [f"{a}->{b}: {(v[b] - v[a]) / MHZ:.2f} us" for a, b in zip(pts, pts[1:])]
     print(f"{R}x{W}: rc={rc} points={pts} " + ", ".join(steps), flush=True)
+    s = list(spans)
+    starts, ends = s[0::2], s[1::2]
+    if rs == 0 and all(starts) and all(ends):
+        t0 = min(starts)
+        dur = [e - b for b, e in zip(starts, ends)]
+        print(f"  spans: kernel {(max(ends) - t0) / 1e3:.1f} us, starts spread {(max(starts) - t0) / 1e3:.1f} us, "
+              f"CTA median {statistics.median(dur) / 1e3:.1f} us, max {max(dur) / 1e3:.1f} us, "
+              f"ends spread {(max(ends) - min(ends)) / 1e3:.1f} us", flush=True)
     torch.cuda.synchronize()

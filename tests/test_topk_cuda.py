@@ -233,13 +233,15 @@ def test_topk_cluster_slices(W, pattern, gen, cluster_always):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("skew", ["ascending", "descending", "hot_quarter", "hot_sparse", "lengths"])
+@pytest.mark.parametrize("skew", ["ascending", "descending", "hot_quarter", "hot_sparse", "hot_few", "lengths"])
 @pytest.mark.parametrize("W", [W_SMEM, W_BITMAP, W_STREAM])
 def test_topk_unrepresentative_sample(dtype, skew, W, gen, sampled):
     """Streamed rows whose sample (tiles spread over the row) misjudges the threshold: far too low (more
     than cand_cap elements above it: the pass stops and the two-pass path runs), far too high (fewer
     than k above it), or drawn from mostly invalid columns; rows on both sides of the bitmap limit, and
-    shared-memory rows, which never sample. Exact either way."""
+    shared-memory rows, which never sample. hot_few: 20 winners far above everything the sample saw, so that
+    for k <= 20 the buffer's threshold bin holds a few of them at the top of its range (finished by one
+    warp), and for k = 21 the k-th best lies far below them. Exact either way."""
     R = 4
     x = torch.randn(R, W, generator=gen)
     lens = torch.tensor([W, W - 17, W // 2 + 3, SMEM_KEYS + 9], dtype=torch.int32)
@@ -251,9 +253,12 @@ def test_topk_unrepresentative_sample(dtype, skew, W, gen, sampled):
         x[:, W // 4 - W // 64: W // 4 + W // 64] += 50
     elif skew == "hot_sparse":  # a few huge winners outside the sample, the sample sees none of them
         x[:, 7::1013] += 100
+    elif skew == "hot_few":  # before the first sampled tile (around W / 4)
+        x[:, 5:5 + 37 * 20:37] += 100
     else:  # most sampled columns past the row's length
         lens = torch.tensor([W // 5, W // 3, SMEM_KEYS + 1, W // 4 + 1], dtype=torch.int32)
-    for k in sorted({1, min(512, MAXK), min(2048, MAXK), MAXK}):
+    ks = {1, 7, 20, 21} if skew == "hot_few" else set()
+    for k in sorted(ks | {1, min(512, MAXK), min(2048, MAXK), MAXK}):
         a, b = _run_topk(x.to(dtype).to(DEV), lens.to(DEV), k)
         _assert_same(a, b, f"unrepresentative sample {skew} {dtype} k={k}")
 

@@ -9,6 +9,7 @@
 #include <barrier>
 #include <cstdint>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -209,6 +210,22 @@ inline unsigned __reduce_min_sync(unsigned, unsigned v) {
   for (int i = 1; i < 32; ++i) m = all[i] < m ? all[i] : m;
   return m;
 }
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+  unsigned all[32];
+  tsi_emu::warp_gather(v, all);
+  unsigned m = all[0];
+  for (int i = 1; i < 32; ++i) m = all[i] > m ? all[i] : m;
+  return m;
+}
+inline unsigned __ballot_sync(unsigned, int p) {
+  int all[32];
+  tsi_emu::warp_gather(p, all);
+  unsigned b = 0u;
+  for (int i = 0; i < 32; ++i) b |= (unsigned)(all[i] != 0) << i;
+  return b;
+}
+inline void __syncwarp(unsigned = 0xffffffffu) { tsi_emu::tl_block->warps[threadIdx.x / 32]->bar.arrive_and_wait(); }
+inline int __clz(int v) { return v == 0 ? 32 : __builtin_clz((unsigned)v); }
 inline unsigned __reduce_add_sync(unsigned, unsigned v) {
   unsigned all[32];
   tsi_emu::warp_gather(v, all);
@@ -234,3 +251,10 @@ inline T __ldg(const T* p) {
   return *p;
 }
 inline unsigned atomicOr(unsigned* a, unsigned v) { return std::atomic_ref<unsigned>(*a).fetch_or(v); }
+inline unsigned atomicMax(unsigned* a, unsigned v) {
+  std::atomic_ref<unsigned> r(*a);
+  unsigned cur = r.load();
+  while (cur < v && !r.compare_exchange_weak(cur, v)) {
+  }
+  return cur;
+}
