@@ -240,8 +240,8 @@ def test_topk_unrepresentative_sample(dtype, skew, W, gen, sampled):
     than cand_cap elements above it: the pass stops and the two-pass path runs), far too high (fewer
     than k above it), or drawn from mostly invalid columns; rows on both sides of the bitmap limit, and
     shared-memory rows, which never sample. hot_few: 20 winners far above everything the sample saw, so that
-    for k <= 20 the buffer's threshold bin holds a few of them at the top of its range (finished by one
-    warp), and for k = 21 the k-th best lies far below them. Exact either way."""
+    the buffer's key range (which its first digit spans) is ~50x the bulk's: for k <= 20 the k-th best is one
+    of the winners, for k = 21 the best of the bulk, a few wide bins below them. Exact either way."""
     R = 4
     x = torch.randn(R, W, generator=gen)
     lens = torch.tensor([W, W - 17, W // 2 + 3, SMEM_KEYS + 9], dtype=torch.int32)
