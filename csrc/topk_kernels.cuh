@@ -218,15 +218,13 @@ struct Chunks {
     return c0 >= (h > 0 ? 1 : 0) && (long long)(c0 + n) * V <= (long long)ncols + h;
   }
   __device__ __forceinline__ Raw load_full(int c) const { return load16(abase + (long long)c * 16); }
-  // Asks L2 for bytes [from, from + bytes) of the row's chunks (clipped to them), one 128-byte line per thread
-  // and step.
-  __device__ __forceinline__ void prefetch_l2(long long from, int bytes) const {
+  // Asks L2 for the first `bytes` of the row's chunks (clipped to them), one 128-byte line per thread and step.
+  __device__ __forceinline__ void prefetch_l2(int bytes) const {
 #ifndef TSI_EMULATE
-    const long long end = (long long)nchunks * 16 < from + bytes ? (long long)nchunks * 16 : from + bytes;
-    for (long long o = from + 128LL * threadIdx.x; o < end; o += 128LL * THREADS)
+    const long long end = (long long)nchunks * 16 < bytes ? (long long)nchunks * 16 : bytes;
+    for (long long o = 128LL * threadIdx.x; o < end; o += 128LL * THREADS)
       asm volatile("prefetch.global.L2 [%0];" ::"l"(abase + o));
 #else
-    (void)from;
     (void)bytes;
 #endif
   }
@@ -1651,7 +1649,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   // The head of the row, on its way to L2 while the sample and its threshold take their few microseconds (HBM
   // otherwise idle then, at one row per SM): the pass starts on it. (Prefetching ahead of the pass all along,
   // one or more 64 KB batches ahead, was slower: NOTES.md, run 76.)
-  if constexpr (Src::KIND == DENSE) src.ch.prefetch_l2(0, PREFETCH_BYTES);
+  if constexpr (Src::KIND == DENSE) src.ch.prefetch_l2(PREFETCH_BYTES);
 #pragma unroll
   for (int s = 0; s < S::TILES; ++s) {
     const int c = (int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x;
