@@ -32,6 +32,31 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(1 - 2 * (x * y).sum() / denom)
 
 
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """float32 tensor shaped like ``x``: the spacing of bfloat16 numbers at ``|x|`` (8 significant bits)."""
+    _, e = torch.frexp(x.float().abs())
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - 8)
+
+
+def assert_scores_close(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-5, ctx: str = "") -> None:
+    """Kernel scores ``out`` (float32 or bfloat16) against the float32 reference ``ref`` of the same shape:
+    ``calc_diff < tol`` (identical ``-inf`` masks, no NaN) and, for a bf16 ``out``, every finite score within one
+    bf16 ulp of ``ref``: half an ulp of rounding, the rest for float32 accumulation-order noise that can tip a value
+    across a rounding boundary (which is why a comparison with ``ref`` rounded to bf16 can differ by a whole ulp),
+    plus 1e-5 of the largest score for that noise on scores that cancel to near zero (tiny ulp, same noise)."""
+    if ref.dtype != torch.float32:
+        raise AssertionError(f"ref: expected the float32 reference, got {ref.dtype} (a rounded one is no oracle)")
+    d = calc_diff(out, ref)
+    assert d < tol, f"calc_diff {d:.3g} {ctx}"
+    if out.dtype == torch.bfloat16:
+        fin = torch.isfinite(ref)
+        r = ref[fin]
+        err = (out.float()[fin] - r).abs()
+        bound = bf16_ulp(r) + 1e-5 * r.abs().max() if r.numel() else r
+        bad = err > bound
+        assert not bad.any(), f"{int(bad.sum())} bf16 scores over one ulp, worst {float((err / bound).max()):.3g} ulp {ctx}"
+
+
 def assert_bitwise_equal(x: torch.Tensor, y: torch.Tensor) -> None:
     if x.shape != y.shape or x.dtype != y.dtype:
         raise AssertionError(f"shape/dtype differ: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
