@@ -20,9 +20,17 @@ trace, L2 flushed, without launch and graph overheads. ``check``: our output equ
 shrinks the shapes.
 ``TSI_BENCH_TOPK_TARGETS=1``: the issue's target shapes only, ours and ``amax`` only (to compare builds of
 the library, picked with ``TORCH_SPARSE_INDEXER_TOPK_LIB``, in one device call).
+
+Public baseline: where FlashInfer's top-k is built (``benchmarks/baselines/build_flashinfer_topk.sh``; loaded
+from ``$TSI_FLASHINFER_TOPK_LIB`` or ``.deps/flashinfer_topk/libtsi_fi_topk.so``), the fp32 ``topk`` rows also
+time its ragged transform with the same per-row lengths: ``flashinfer`` (its default, non-deterministic),
+``flashinfer exact`` (``deterministic``, ties to the lower position: our contract) and, for rows over 32K
+columns, ``flashinfer multi-CTA`` (its radix path forced). ``check`` compares the selected sets with the
+reference (FlashInfer's output order is not ours: both sides sorted).
 """
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -72,6 +80,76 @@ def _rows(op, shape, k, x, ours, torch_masked, torch_plain, check):
     ]
 
 
+_FI = None  # the FlashInfer baseline: (ctypes library, row-state buffer), False where not built
+
+
+def _flashinfer():
+    global _FI
+    if _FI is None:
+        default = os.path.join(os.path.dirname(__file__), "..", ".deps", "flashinfer_topk", "libtsi_fi_topk.so")
+        path = os.environ.get("TSI_FLASHINFER_TOPK_LIB", default)
+        _FI = False
+        if os.path.exists(path):
+            lib = ctypes.CDLL(path)
+            lib.tsi_fi_row_states_bytes.restype = ctypes.c_size_t
+            lib.tsi_fi_topk_ragged.restype = ctypes.c_int
+            lib.tsi_fi_topk_ragged.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_uint32] * 3 + [
+                ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+            states = torch.zeros(lib.tsi_fi_row_states_bytes(), dtype=torch.uint8, device=DEV)
+            _FI = (lib, states)
+            print(f"[topk] FlashInfer baseline: {path}", flush=True)
+    return _FI
+
+
+def _flashinfer_rows(x, lens, k, shape, cuda_row, ref):
+    """FlashInfer's ragged top-k on the same rows and lengths (see the module docstring)."""
+    fi = _flashinfer()
+    if not fi or x.dtype != torch.float32:
+        return []
+    lib, states = fi
+    R, W = x.shape
+    out = torch.empty(R, k, dtype=torch.int32, device=DEV)
+    offsets = torch.zeros(R, dtype=torch.int32, device=DEV)
+    lens_fi = lens.clone()  # its signature takes a mutable pointer
+
+    def call(det):
+        err = lib.tsi_fi_topk_ragged(x.data_ptr(), out.data_ptr(), offsets.data_ptr(), lens_fi.data_ptr(), R, W, k,
+                                     states.data_ptr(), int(det), int(det), torch.cuda.current_stream().cuda_stream)
+        if err != 0:
+            raise RuntimeError(f"FlashInfer top-k: cudaError {err}")
+
+    def check():
+        torch.cuda.synchronize()
+        got = out[:CHECK_ROWS].clone()
+        big = torch.iinfo(torch.int32).max  # -1 padding sorts last on both sides
+        a = torch.sort(torch.where(got < 0, big, got), dim=1).values
+        b = torch.sort(torch.where(ref < 0, big, ref), dim=1).values
+        return "exact" if torch.equal(a, b) else f"MISMATCH({int((a != b).any(dim=1).sum())} rows)"
+
+    variants = [("flashinfer", None, False), ("flashinfer exact", None, True)]
+    if W > 32768:
+        variants.append(("flashinfer multi-CTA", "multi_cta", False))
+    rows = []
+    for impl, algo, det in variants:
+        prev = os.environ.pop("FLASHINFER_TOPK_ALGO", None)
+        if algo:
+            os.environ["FLASHINFER_TOPK_ALGO"] = algo  # read when the call is made, so at graph capture
+        try:
+            fn = lambda: call(det)  # noqa: E731
+            fn()
+            chk = check()
+            t = common.time_us(fn)
+            k_us = common.kernel_us(fn)
+        finally:
+            os.environ.pop("FLASHINFER_TOPK_ALGO", None)
+            if prev is not None:
+                os.environ["FLASHINFER_TOPK_ALGO"] = prev
+        rows.append(common.record(op="topk", shape=shape, k=k, floor_us=cuda_row["floor_us"], impl=impl,
+                                  time_us=t, kernel_us=k_us, x_read=t / cuda_row["time_us"] * cuda_row["x_read"],
+                                  x_torch=cuda_row["x_torch"] * cuda_row["time_us"] / t, check=chk))
+    return rows
+
+
 def _topk_case(R, W, k, dtype, gen, pattern=None):
     """Random rows, or rows that put most keys in one histogram bin: ``pattern="all_equal"`` (every score 0: one
     bin, ties at the threshold), ``"neg_inf_half"`` (the second half of each row -inf, as causal masking leaves
@@ -96,6 +174,10 @@ def _topk_case(R, W, k, dtype, gen, pattern=None):
     if W > t["smem_keys"]:
         alts.append(("cuda two-pass", "off", False))
     cuda = rows[0]
+    if pattern is None:  # target shapes too: the public baseline is part of what the issue asks to report
+        expected = torch.empty(CHECK_ROWS, k, dtype=torch.int32, device=DEV)
+        reference.topk(x[:CHECK_ROWS], lens[:CHECK_ROWS], k, expected)
+        rows += _flashinfer_rows(x, lens, k, shape, cuda, expected)
     for impl, mode, sampled in alts:
         prev, prev_s = ct.set_cluster_mode(mode), ct.set_sampled(sampled)
         try:
