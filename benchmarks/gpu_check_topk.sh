@@ -45,7 +45,7 @@ timeout $(( $(left) > 30 ? $(left) : 30 )) python3 benchmarks/bench.py --suite t
 echo "bench rc=$?"
 tail -n 40 "$OUT/bench.log"
 
-# Other builds of the library (torch_sparse_indexer/_C/variant_*.so), target shapes only.
+# Other builds of the library (torch_sparse_indexer/_C/variant_*.so: benchmarks/build_variants.sh), target shapes only.
 for v in torch_sparse_indexer/_C/variant_*.so; do
   [ -f "$v" ] || continue
   name=$(basename "$v" .so)
