@@ -33,9 +33,10 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    """float32 tensor shaped like ``x``: the spacing of bfloat16 numbers at ``|x|`` (8 significant bits)."""
-    _, e = torch.frexp(x.float().abs())
-    return torch.ldexp(torch.ones_like(x, dtype=torch.float32), e - 8)
+    """float32 tensor shaped like ``x``: the spacing of bfloat16 numbers at ``|x|`` (8 significant bits); 0 at 0."""
+    a = x.float().abs()
+    _, e = torch.frexp(a)
+    return torch.where(a == 0, 0.0, torch.ldexp(torch.ones_like(a), e - 8))
 
 
 def assert_scores_close(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-5, ctx: str = "") -> None:
@@ -54,7 +55,8 @@ def assert_scores_close(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-5,
         err = (out.float()[fin] - r).abs()
         bound = bf16_ulp(r) + 1e-5 * r.abs().max() if r.numel() else r
         bad = err > bound
-        assert not bad.any(), f"{int(bad.sum())} bf16 scores over one ulp, worst {float((err / bound).max()):.3g} ulp {ctx}"
+        worst = float((err / bound).max())
+        assert not bad.any(), f"{int(bad.sum())} bf16 scores over one ulp, worst {worst:.3g} ulp {ctx}"
 
 
 def assert_bitwise_equal(x: torch.Tensor, y: torch.Tensor) -> None:

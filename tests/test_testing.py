@@ -1,0 +1,43 @@
+"""The score comparison the kernel tests rely on (``testing.assert_scores_close``): it accepts what a correct
+kernel may produce and rejects what calc_diff alone would let through."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_sparse_indexer import testing
+
+
+def test_bf16_ulp_is_the_spacing_of_bf16_numbers(gen):
+    x = torch.randn(4096, generator=gen) * torch.exp2(torch.randint(-60, 60, (4096,), generator=gen).float())
+    b = x.bfloat16().abs()
+    up = (b.view(torch.int16) + 1).view(torch.bfloat16)  # the next bf16 magnitude, from the bits
+    assert torch.equal(testing.bf16_ulp(b), up.float() - b.float())
+    assert testing.bf16_ulp(torch.zeros(3)).eq(0).all()
+
+
+def test_assert_scores_close_accepts_rounding_and_noise(gen):
+    ref = torch.randn(64, 512, generator=gen) * 20
+    ref[:, 400:] = float("-inf")
+    ref[0, :8] = 0.0
+    noise = ref.abs() * 2.0 ** -22 * torch.randn(ref.shape, generator=gen)  # float32 reordering noise
+    noisy = torch.where(torch.isfinite(ref), ref + noise, ref)
+    testing.assert_scores_close(noisy.bfloat16(), ref)  # may be a whole ulp from ref.bfloat16()
+    testing.assert_scores_close(noisy, ref)
+
+
+def test_assert_scores_close_rejects(gen):
+    ref = torch.randn(64, 512, generator=gen) * 20
+    ref[:, 400:] = float("-inf")
+    out = ref.bfloat16()
+    two_ulps = out.clone()
+    two_ulps[5, 7] = (ref[5, 7] + 2 * testing.bf16_ulp(ref[5, 7])).bfloat16()
+    assert testing.calc_diff(two_ulps, ref) < 1e-5  # one bad element is invisible to calc_diff
+    with pytest.raises(AssertionError, match="over one ulp"):
+        testing.assert_scores_close(two_ulps, ref)
+    mask = out.clone()
+    mask[1, 3] = float("-inf")
+    with pytest.raises(AssertionError, match="-inf masks differ"):
+        testing.assert_scores_close(mask, ref)
+    with pytest.raises(AssertionError, match="float32 reference"):
+        testing.assert_scores_close(out, ref.bfloat16())
