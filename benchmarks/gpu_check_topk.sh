@@ -51,7 +51,7 @@ for v in torch_sparse_indexer/_C/variant_*.so; do
   name=$(basename "$v" .so)
   echo "== $name ($(left) s left)"
   [ "$(left)" -gt 20 ] || break
-  TORCH_SPARSE_INDEXER_TOPK_LIB="$PWD/$v" TSI_BENCH_TOPK_TARGETS=1 timeout $(left) \
+  TORCH_SPARSE_INDEXER_TOPK_LIB="$PWD/$v" TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_FLASHINFER=0 timeout $(left) \
     python3 benchmarks/bench.py --suite topk --out "$OUT/$name" > "$OUT/$name.log" 2>&1
   grep "^\[topk\]" "$OUT/$name.log"
 done

@@ -26,7 +26,7 @@ from ``$TSI_FLASHINFER_TOPK_LIB`` or ``.deps/flashinfer_topk/libtsi_fi_topk.so``
 time its ragged transform with the same per-row lengths: ``flashinfer`` (its default, non-deterministic),
 ``flashinfer exact`` (``deterministic``, ties to the lower position: our contract) and, for rows over 32K
 columns, ``flashinfer multi-CTA`` (its radix path forced). ``check`` compares the selected sets with the
-reference (FlashInfer's output order is not ours: both sides sorted).
+reference (FlashInfer's output order is not ours: both sides sorted). ``TSI_BENCH_FLASHINFER=0`` leaves them out.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def _flashinfer():
         default = os.path.join(os.path.dirname(__file__), "..", ".deps", "flashinfer_topk", "libtsi_fi_topk.so")
         path = os.environ.get("TSI_FLASHINFER_TOPK_LIB", default)
         _FI = False
-        if os.path.exists(path):
+        if os.path.exists(path) and os.environ.get("TSI_BENCH_FLASHINFER", "1") != "0":
             lib = ctypes.CDLL(path)
             lib.tsi_fi_row_states_bytes.restype = ctypes.c_size_t
             lib.tsi_fi_topk_ragged.restype = ctypes.c_int
