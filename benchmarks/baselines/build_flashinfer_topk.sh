@@ -5,7 +5,7 @@
 # SRC: a FlashInfer work tree, or a bare git directory (e.g. the agent tools' mirror
 # /work/.mirror/flashinfer-ai+flashinfer/repo), whose include/ is extracted. OUT defaults to
 # .deps/flashinfer_topk/libtsi_fi_topk.so (ignored by git; carry it to the GPU machine). The suite loads it from
-# there or from $TSI_FLASHINFER_TOPK_LIB. sm_90a only (our test GPU); about 2 minutes.
+# there or from $TSI_FLASHINFER_TOPK_LIB. sm_90a only (our test GPU); about 25 s on this machine.
 set -euo pipefail
 SRC=${1:?usage: build_flashinfer_topk.sh FLASHINFER_SRC [OUT.so]}
 HERE=$(cd "$(dirname "$0")" && pwd)
