@@ -29,6 +29,7 @@ def test_assert_scores_close_accepts_rounding_and_noise(gen):
 def test_assert_scores_close_rejects(gen):
     ref = torch.randn(64, 512, generator=gen) * 20
     ref[:, 400:] = float("-inf")
+    ref[5, 7] = 13.7  # (not a draw that cancels to near zero, where 1e-5 of the largest score may exceed 2 ulps)
     out = ref.bfloat16()
     two_ulps = out.clone()
     two_ulps[5, 7] = (ref[5, 7] + 2 * testing.bf16_ulp(ref[5, 7])).bfloat16()
@@ -41,3 +42,28 @@ def test_assert_scores_close_rejects(gen):
         testing.assert_scores_close(mask, ref)
     with pytest.raises(AssertionError, match="float32 reference"):
         testing.assert_scores_close(out, ref.bfloat16())
+
+
+def test_assert_scores_close_tensor_core_allowance(gen):
+    """A score that cancels to near zero carries the tensor cores' error relative to its terms' magnitude ``mag``:
+    accepted within ``TENSOR_CORE_REL * mag`` when ``mag`` is given, rejected without it or beyond it."""
+    ref = torch.randn(32, 256, generator=gen) * 20
+    mag = ref.abs() * 30  # terms ~30x the score, as random heads give (testing.magnitude_inputs)
+    ref[3, 9] = 0.0137  # cancelled: tiny ulp, the same terms' scale
+    mag[3, 9] = 600.0
+    ref[7, 7], mag[7, 7] = 13.7, 411.0  # an ordinary score (below: 2 ulps of it stay an error)
+    out = ref.bfloat16()
+    within = out.clone()
+    within[3, 9] = ref[3, 9] + 0.9 * testing.TENSOR_CORE_REL * 600.0
+    testing.assert_scores_close(within, ref, mag=mag)
+    with pytest.raises(AssertionError, match="over one ulp"):
+        testing.assert_scores_close(within, ref)
+    beyond = out.clone()
+    beyond[3, 9] = ref[3, 9] + 3 * testing.TENSOR_CORE_REL * 600.0 + 1e-5 * float(ref.abs().max())
+    with pytest.raises(AssertionError, match="over one ulp"):
+        testing.assert_scores_close(beyond, ref, mag=mag)
+    # on ordinary scores the allowance stays below an ulp: a 2-ulp error is still caught
+    two_ulps = out.clone()
+    two_ulps[7, 7] = (ref[7, 7] + 2 * testing.bf16_ulp(ref[7, 7])).bfloat16()
+    with pytest.raises(AssertionError, match="over one ulp"):
+        testing.assert_scores_close(two_ulps, ref, mag=mag)

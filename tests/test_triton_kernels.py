@@ -88,14 +88,20 @@ def _poisoned(rows, cols, dtype=torch.float32):
     return torch.full((rows, cols), float("nan"), dtype=dtype, device=DEV)
 
 
-def _check(run, ref_out, dtype=torch.float32, tol=TOL):
+def _mag(op, *args, like):
+    """The terms' magnitude of each score of reference ``op(*args)`` (``testing.score_magnitude``), shaped ``like``."""
+    return testing.score_magnitude(op, *args, shape=like.shape)
+
+
+def _check(run, ref_out, dtype=torch.float32, tol=TOL, mag=None):
     """``run(out)`` fills ``out`` (of ``dtype``); compare with the float32 ``ref_out`` (``testing.assert_scores_close``:
-    a bf16 ``out`` also within one bf16 ulp everywhere) and check 20 reruns are bitwise equal."""
+    a bf16 ``out`` also within one bf16 ulp everywhere, plus the tensor cores' share of ``mag`` where given) and check
+    20 reruns are bitwise equal."""
     out = _poisoned(*ref_out.shape, dtype=dtype)
     run(out)
     _sync()
     assert not torch.isnan(out).any(), f"{int(torch.isnan(out).sum())} output elements not written"
-    testing.assert_scores_close(out, ref_out, tol)
+    testing.assert_scores_close(out, ref_out, tol, mag=mag)
     for _ in range(REPEATS - 1):
         again = _poisoned(*ref_out.shape, dtype=dtype)
         run(again)
@@ -175,7 +181,8 @@ def test_paged_mqa_logits(fmt, D, H, seed, gen, paged_backend):
     ref = torch.empty(R, L, device=DEV)
     reference.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, ref)
     with _paged(paged_backend):
-        _check(lambda out: ops.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, out), ref)
+        _check(lambda out: ops.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, out), ref,
+               mag=_mag("paged_mqa_logits", q, qs, kv, w, lens, bt, reqs, like=ref))
 
 
 @pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
@@ -190,7 +197,8 @@ def test_paged_sparse_mqa_logits(fmt, D, H, seed, gen, paged_backend):
     ref = torch.empty(R, nbk * cbs, device=DEV)
     reference.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, ref)
     with _paged(paged_backend):
-        _check(lambda out: ops.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, out), ref)
+        _check(lambda out: ops.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, out), ref,
+               mag=_mag("paged_sparse_mqa_logits", q, qs, kv, w, lens, bt, reqs, cand, cbs, like=ref))
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
@@ -215,7 +223,9 @@ def test_paged_sparse_row_tiles(fmt, seed, gen, monkeypatch):
             monkeypatch.setitem(ts.CONFIG_OVERRIDES, "row_tiles", nt)
         with backends.use_backend("triton"):
             out = _check(lambda o: ops.paged_sparse_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, reqs,
-                                                               cand, cbs, o), ref)
+                                                               cand, cbs, o), ref,
+                         mag=_mag("paged_sparse_mqa_logits", q, qs, case.kv_cache, w, lens, case.block_table, reqs,
+                                  cand, cbs, like=ref))
         if first is None:
             first = out
         else:
@@ -283,13 +293,16 @@ def test_paged_no_req_indices_bf16(fmt, seed, gen, paged_backend):
     reference.paged_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, None, ref)
     with _paged(paged_backend):
         _check(lambda out: ops.paged_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, None, out),
-               ref, dtype=torch.bfloat16)
+               ref, dtype=torch.bfloat16, mag=_mag("paged_mqa_logits", q, qs, case.kv_cache, w, lens,
+                                                   case.block_table, None, like=ref))
     cand = _candidates(rng, gen, seq, 5, 16)
     ref = torch.empty(R, 5 * 16, device=DEV)
     reference.paged_sparse_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, None, cand, 16, ref)
     with _paged(paged_backend):
         _check(lambda out: ops.paged_sparse_mqa_logits(q, qs, case.kv_cache, w, lens, case.block_table, None,
-                                                       cand, 16, out), ref)
+                                                       cand, 16, out), ref,
+               mag=_mag("paged_sparse_mqa_logits", q, qs, case.kv_cache, w, lens, case.block_table, None, cand, 16,
+                        like=ref))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -324,7 +337,8 @@ def test_mqa_logits(fmt, D, H, seed, gen):
     ref = torch.empty(T, L, device=DEV)
     reference.mqa_logits(q, qs, k, ksc, w, ks, ke, ref)
     with backends.use_backend("triton"):
-        _check(lambda out: ops.mqa_logits(q, qs, k, ksc, w, ks, ke, out), ref)
+        _check(lambda out: ops.mqa_logits(q, qs, k, ksc, w, ks, ke, out), ref,
+               mag=_mag("mqa_logits", q, qs, k, ksc, w, ks, ke, like=ref))
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -348,7 +362,8 @@ def test_mxfp4_group_scales_far_apart(D, gen):
     ref = torch.empty(T, N, device=DEV)
     reference.mqa_logits(qv, qs, k, ksc, wf, ks, ke, ref)
     with backends.use_backend("triton"):
-        _check(lambda out: ops.mqa_logits(qv, qs, k, ksc, wf, ks, ke, out), ref)
+        _check(lambda out: ops.mqa_logits(qv, qs, k, ksc, wf, ks, ke, out), ref,
+               mag=_mag("mqa_logits", qv, qs, k, ksc, wf, ks, ke, like=ref))
 
 
 def _pinned_groups(x, exps):
@@ -368,6 +383,7 @@ def _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, nbk, rng, gen,
         ref = torch.empty(R, max(case.seq_lens), device=DEV)
         reference.paged_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, ref)
         run = lambda out: ops.paged_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, out)  # noqa: E731
+        mag = _mag("paged_mqa_logits", qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, like=ref)
     else:
         cbs = 8
         cand = _candidates(rng, gen, lens.tolist(), nbk, cbs)
@@ -375,8 +391,10 @@ def _check_mxfp4_decode_rows(case, qv, qs, wf, lens, reqs, dense, nbk, rng, gen,
         reference.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, cand, cbs, ref)
         run = lambda out: ops.paged_sparse_mqa_logits(qv, qs, case.kv_cache, wf, lens, case.block_table, reqs,  # noqa: E731
                                                       cand, cbs, out)
+        mag = _mag("paged_sparse_mqa_logits", qv, qs, case.kv_cache, wf, lens, case.block_table, reqs, cand, cbs,
+                   like=ref)
     with _paged(backend):
-        _check(run, ref)
+        _check(run, ref, mag=mag)
         out = _poisoned(*ref.shape)
         run(out)
     for r in range(R):
@@ -504,7 +522,8 @@ def test_sparse_mqa_logits(fmt, D, H, pair, seed, gen):
     reference.sparse_mqa_logits(q, qs, k, ksc, w, ks, ke, cand, cbs, ref)
     if H > 64 and pair:
         pytest.skip("pairs are used up to 64 (padded) heads")
-    _check(lambda out: ts._launch_prefill_sparse(q, qs, k, ksc, w, ks, ke, cand, cbs, out, pair), ref)
+    _check(lambda out: ts._launch_prefill_sparse(q, qs, k, ksc, w, ks, ke, cand, cbs, out, pair), ref,
+           mag=_mag("sparse_mqa_logits", q, qs, k, ksc, w, ks, ke, cand, cbs, like=ref))
 
 
 def test_sparse_prefill_out_of_contract_lists(seed, gen):
@@ -525,7 +544,8 @@ def test_sparse_prefill_out_of_contract_lists(seed, gen):
     cand = cand.to(DEV)
     ref = torch.empty(T, 16 * cbs, device=DEV)
     reference.sparse_mqa_logits(q, qs, k, ksc, w, ks, ke, cand, cbs, ref)
-    _check(lambda out: ts._launch_prefill_sparse(q, qs, k, ksc, w, ks, ke, cand, cbs, out, True), ref)
+    _check(lambda out: ts._launch_prefill_sparse(q, qs, k, ksc, w, ks, ke, cand, cbs, out, True), ref,
+           mag=_mag("sparse_mqa_logits", q, qs, k, ksc, w, ks, ke, cand, cbs, like=ref))
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -542,7 +562,8 @@ def test_dot_scaled_path(D, seed, gen, monkeypatch):
     L = max(seq) + 3
     ref = torch.empty(R, L, device=DEV)
     reference.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, ref)
-    _check(lambda out: ts.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, out), ref)
+    _check(lambda out: ts.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, out), ref,
+           mag=_mag("paged_mqa_logits", q, qs, kv, w, lens, bt, reqs, like=ref))
     ks, ke, N = _prefill_rows(rng)
     T = ks.shape[0]
     k, ksc = testing.make_packed_k(N, D, fmt, device=DEV, gen=gen)
@@ -550,7 +571,8 @@ def test_dot_scaled_path(D, seed, gen, monkeypatch):
     L = int((ke.clamp(max=N) - ks.clamp(0, N)).clamp(min=0).max()) + 1
     ref = torch.empty(T, L, device=DEV)
     reference.mqa_logits(q, qs, k, ksc, w, ks, ke, ref)
-    _check(lambda out: ts.mqa_logits(q, qs, k, ksc, w, ks, ke, out), ref)
+    _check(lambda out: ts.mqa_logits(q, qs, k, ksc, w, ks, ke, out), ref,
+           mag=_mag("mqa_logits", q, qs, k, ksc, w, ks, ke, like=ref))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -39,24 +39,79 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(a == 0, 0.0, torch.ldexp(torch.ones_like(a), e - 8))
 
 
-def assert_scores_close(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-5, ctx: str = "") -> None:
+# The fp8 tensor cores (SM90 wgmma, as Triton's tl.dot and csrc/scoring.cu use them) add products of different
+# exponents with a narrower adder than float32: on the H200 a score's error reached 1.2e-5 of its terms' magnitude
+# (``scripts/mma_error.py``, run 86; MXFP4's folded operands stay exact). The allowance keeps a 5x margin.
+TENSOR_CORE_REL = 2.0 ** -14
+
+
+def assert_scores_close(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-5, ctx: str = "",
+                        mag: Optional[torch.Tensor] = None) -> None:
     """Kernel scores ``out`` (float32 or bfloat16) against the float32 reference ``ref`` of the same shape:
     ``calc_diff < tol`` (identical ``-inf`` masks, no NaN) and, for a bf16 ``out``, every finite score within one
     bf16 ulp of ``ref``: half an ulp of rounding, the rest for float32 accumulation-order noise that can tip a value
     across a rounding boundary (which is why a comparison with ``ref`` rounded to bf16 can differ by a whole ulp),
-    plus 1e-5 of the largest score for that noise on scores that cancel to near zero (tiny ulp, same noise)."""
+    plus 1e-5 of the largest score for that noise on scores that cancel to near zero (tiny ulp, same noise).
+    ``mag`` (shaped like ``ref``: each score's sum of ``|w| |q_d k_d|``, see :func:`score_magnitude`) allows each
+    score ``TENSOR_CORE_REL * mag`` more: the fp8 tensor cores' accumulation error, which on a score that cancels
+    to near zero exceeds both allowances above, and on a case of a few scores moves calc_diff past 1e-5 (calc_diff
+    is then taken on the error beyond that allowance). GPU kernels need it; without it the check is as tight as
+    CPU float32 noise."""
     if ref.dtype != torch.float32:
         raise AssertionError(f"ref: expected the float32 reference, got {ref.dtype} (a rounded one is no oracle)")
-    d = calc_diff(out, ref)
-    assert d < tol, f"calc_diff {d:.3g} {ctx}"
+    if mag is not None:
+        fin = torch.isfinite(ref) & torch.isfinite(out.float())
+        diff = out.float() - ref
+        excess = (diff.abs() - TENSOR_CORE_REL * mag.to(ref.device, torch.float32)).clamp_min(0)
+        d = calc_diff(torch.where(fin, ref + diff.sign() * excess, out.float()), ref)
+    else:
+        d = calc_diff(out, ref)
+    assert d < tol, f"calc_diff {d:.3g}{' beyond the tensor-core allowance' if mag is not None else ''} {ctx}"
     if out.dtype == torch.bfloat16:
         fin = torch.isfinite(ref)
         r = ref[fin]
         err = (out.float()[fin] - r).abs()
         bound = bf16_ulp(r) + 1e-5 * r.abs().max() if r.numel() else r
+        if mag is not None:
+            bound = bound + TENSOR_CORE_REL * mag.to(bound.device, torch.float32)[fin]
         bad = err > bound
-        worst = float((err / bound).max())
+        worst = float((err / bound).max()) if r.numel() else 0.0
         assert not bad.any(), f"{int(bad.sum())} bf16 scores over one ulp, worst {worst:.3g} ulp {ctx}"
+
+
+def _abs_bytes(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` (e4m3 values, or packed e2m1 pairs) with every sign bit cleared."""
+    return (x.view(torch.uint8) & (0x7F if fmt == "fp8" else 0x77)).view(x.dtype)
+
+
+def magnitude_inputs(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor, fmt: str):
+    """``(|q|, |kv_cache|, |weights|)``: the same quantized inputs with every sign bit cleared (e4m3 bit 7, or
+    bit 3 of each e2m1 nibble; scales are positive already). A scoring op on them gives, per score, the sum over
+    heads of ``|w| * sum_d |q_d k_d|``: the scale of the terms that a score's rounding errors are relative to
+    (cancellation can make the score itself much smaller)."""
+    formats.check_fmt(fmt)
+    akv = kv_cache.clone()
+    vals, _ = formats.cache_views(akv, fmt)
+    vals.copy_(_abs_bytes(vals, fmt))
+    return _abs_bytes(q, fmt), akv, weights.abs()
+
+
+def score_magnitude(op: str, *args, shape) -> torch.Tensor:
+    """float32 ``[shape]``: the reference scoring ``op`` (``"paged_mqa_logits"``, ``"paged_sparse_mqa_logits"``,
+    ``"mqa_logits"`` or ``"sparse_mqa_logits"``) on the magnitudes of its inputs ``args`` (the op's arguments
+    before the output), i.e. each score's sum of ``|w| |q_d k_d|`` (``mag`` of :func:`assert_scores_close`)."""
+    from . import reference
+
+    q = args[0]
+    fmt = "fp8" if q.dtype == formats.FP8_DTYPE else "mxfp4"
+    a = list(args)
+    if op.startswith("paged"):
+        a[0], a[2], a[3] = magnitude_inputs(q, args[2], args[3], fmt)
+    else:  # packed K: (q, q_scale, k, k_scale, weights, ...)
+        a[0], a[2], a[4] = _abs_bytes(q, fmt), _abs_bytes(args[2], fmt), args[4].abs()
+    out = torch.empty(shape, dtype=torch.float32, device=q.device)
+    getattr(reference, op)(*a, out)
+    return out
 
 
 def assert_bitwise_equal(x: torch.Tensor, y: torch.Tensor) -> None:
