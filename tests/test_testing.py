@@ -67,3 +67,22 @@ def test_assert_scores_close_tensor_core_allowance(gen):
     two_ulps[7, 7] = (ref[7, 7] + 2 * testing.bf16_ulp(ref[7, 7])).bfloat16()
     with pytest.raises(AssertionError, match="over one ulp"):
         testing.assert_scores_close(two_ulps, ref, mag=mag)
+
+
+def test_assert_scores_close_calc_diff_beyond_the_allowance(gen):
+    """A case of a few float32 scores, one of which cancels: an error within ``TENSOR_CORE_REL * mag`` can move
+    calc_diff past 1e-5 by itself; with ``mag`` calc_diff is taken on the error beyond the allowance, so it
+    passes, and 3x that error still fails."""
+    ref = torch.full((1, 8), float("-inf"))
+    ref[0, :3] = torch.tensor([0.05, 0.3, -0.2])
+    mag = torch.full((1, 8), 40.0)
+    err = 0.9 * testing.TENSOR_CORE_REL * 40.0  # ~2.2e-3: 4% of the first score, calc_diff ~1.8e-5
+    out = ref.clone()
+    out[0, 0] += err
+    assert testing.calc_diff(out, ref) > 1e-5
+    with pytest.raises(AssertionError, match="calc_diff"):
+        testing.assert_scores_close(out, ref)
+    testing.assert_scores_close(out, ref, mag=mag)
+    out[0, 0] = ref[0, 0] + 3 * err
+    with pytest.raises(AssertionError, match="beyond the tensor-core allowance"):
+        testing.assert_scores_close(out, ref, mag=mag)
