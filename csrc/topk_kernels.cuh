@@ -1542,7 +1542,12 @@ struct Sample {
 // Rows of at most BITMAP_ELEMS elements buffer their candidates in any order (one shared-memory atomic per
 // warp and batch, no block-wide scan or barrier per batch) and are put in index order at the end by bitmaps
 // over the row (two of LIST_CAP words after the key and index buffers); longer rows keep the ordered pass.
-constexpr int BITMAP_ELEMS = 32 * LIST_CAP;
+// (TSI_BITMAP_ELEMS lowers the limit for experiments: benchmarks/variants/ordered_pass_128k.flags.)
+#ifndef TSI_BITMAP_ELEMS
+#define TSI_BITMAP_ELEMS (32 * TSI_LIST_CAP)
+#endif
+constexpr int BITMAP_ELEMS = TSI_BITMAP_ELEMS;
+static_assert(BITMAP_ELEMS <= 32 * LIST_CAP, "the two bitmaps hold LIST_CAP words each");
 
 #ifndef TSI_PREFETCH_KB
 #define TSI_PREFETCH_KB 64
