@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import formats
+from . import formats, reference
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -100,8 +100,6 @@ def score_magnitude(op: str, *args, shape) -> torch.Tensor:
     """float32 ``[shape]``: the reference scoring ``op`` (``"paged_mqa_logits"``, ``"paged_sparse_mqa_logits"``,
     ``"mqa_logits"`` or ``"sparse_mqa_logits"``) on the magnitudes of its inputs ``args`` (the op's arguments
     before the output), i.e. each score's sum of ``|w| |q_d k_d|`` (``mag`` of :func:`assert_scores_close`)."""
-    from . import reference
-
     q = args[0]
     fmt = "fp8" if q.dtype == formats.FP8_DTYPE else "mxfp4"
     a = list(args)
