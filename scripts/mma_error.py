@@ -1,7 +1,7 @@
 """How far the GPU decode scoring kernels' scores lie from the float32 reference, against the scale of the terms
 (development; sizes the tolerance of ``testing.assert_scores_close`` for tensor-core paths). For random paged
 cases like ``test_paged_no_req_indices_bf16``: per backend (triton, cuda) and format, the largest
-``|out - ref| / mag`` with ``mag`` = the reference on the magnitudes of q, K and w (``testing.magnitude_inputs``:
+``|out - ref| / mag`` with ``mag`` = the reference on the magnitudes of q, K and w (``testing.score_magnitude``:
 an upper bound of every head's |q . k| summed with |w|), and the largest error in bf16 ulps of ``ref`` (f32 and
 bf16 outputs). Prints one line per (backend, format, out dtype).
     python3 scripts/mma_error.py [cases]"""
@@ -35,9 +35,8 @@ for backend in BACKENDS:
                 L = max(seq + [1])
                 ref = torch.empty(len(seq), L, device=DEV)
                 reference.paged_mqa_logits(qs.q, qs.q_scale, case.kv_cache, w, lens, case.block_table, None, ref)
-                aq, akv, aw = testing.magnitude_inputs(qs.q, case.kv_cache, w, fmt)
-                mag = torch.empty_like(ref)
-                reference.paged_mqa_logits(aq, qs.q_scale, akv, aw, lens, case.block_table, None, mag)
+                mag = testing.score_magnitude("paged_mqa_logits", qs.q, qs.q_scale, case.kv_cache, w, lens,
+                                              case.block_table, None, shape=ref.shape)
                 out = torch.empty(len(seq), L, device=DEV, dtype=odt)
                 with backends.use_backend(backend):
                     ops.paged_mqa_logits(qs.q, qs.q_scale, case.kv_cache, w, lens, case.block_table, None, out)

@@ -59,21 +59,22 @@ def assert_scores_close(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-5,
     CPU float32 noise."""
     if ref.dtype != torch.float32:
         raise AssertionError(f"ref: expected the float32 reference, got {ref.dtype} (a rounded one is no oracle)")
-    if mag is not None:
-        fin = torch.isfinite(ref) & torch.isfinite(out.float())
-        diff = out.float() - ref
-        excess = (diff.abs() - TENSOR_CORE_REL * mag.to(ref.device, torch.float32)).clamp_min(0)
-        d = calc_diff(torch.where(fin, ref + diff.sign() * excess, out.float()), ref)
+    o = out.float()
+    allow = None if mag is None else TENSOR_CORE_REL * mag.to(ref.device, torch.float32)
+    if allow is not None:
+        diff = o - ref
+        excess = (diff.abs() - allow).clamp_min(0)
+        d = calc_diff(torch.where(torch.isfinite(ref) & torch.isfinite(o), ref + diff.sign() * excess, o), ref)
     else:
         d = calc_diff(out, ref)
     assert d < tol, f"calc_diff {d:.3g}{' beyond the tensor-core allowance' if mag is not None else ''} {ctx}"
     if out.dtype == torch.bfloat16:
         fin = torch.isfinite(ref)
         r = ref[fin]
-        err = (out.float()[fin] - r).abs()
+        err = (o[fin] - r).abs()
         bound = bf16_ulp(r) + 1e-5 * r.abs().max() if r.numel() else r
-        if mag is not None:
-            bound = bound + TENSOR_CORE_REL * mag.to(bound.device, torch.float32)[fin]
+        if allow is not None:
+            bound = bound + allow[fin]
         bad = err > bound
         worst = float((err / bound).max()) if r.numel() else 0.0
         assert not bad.any(), f"{int(bad.sum())} bf16 scores over one ulp, worst {worst:.3g} ulp {ctx}"
