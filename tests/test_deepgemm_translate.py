@@ -387,11 +387,9 @@ def test_sparse_predicate_refuses(kwargs, needle):
 
 @pytest.fixture
 def registered_deepgemm():
-    saved = {op: list(lst) for op, lst in backends._REGISTRY.items()}
-    dgb.register()
-    yield
-    backends._REGISTRY.clear()
-    backends._REGISTRY.update(saved)
+    with backends.registry_scope():
+        dgb.register()
+        yield
 
 
 def test_backend_refuses_cpu_and_dispatch_falls_back(registered_deepgemm, gen):

@@ -29,8 +29,19 @@ else:
 if torch.cuda.is_available() or INTERPRET:
     from torch_sparse_indexer.kernels import triton_cache as tc
     from torch_sparse_indexer.kernels import triton_scoring as ts
-if INTERPRET:
-    testing.register_cpu_emulation()  # the Triton kernels for CPU tensors (no top-k library)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cpu_emulation():
+    """Under the interpreter: the Triton kernels as backends for CPU tensors (no top-k library), for this
+    module's tests only (other modules in the same process keep the reference backend on the CPU)."""
+    if not INTERPRET:
+        yield
+        return
+    with backends.registry_scope():
+        testing.register_cpu_emulation()
+        yield
+
 
 DEV = "cpu" if INTERPRET else "cuda"
 TOL = 1e-5

@@ -80,6 +80,19 @@ def use_backend(name: Optional[str]):
         _state.forced = prev
 
 
+@contextlib.contextmanager
+def registry_scope():
+    """Backends registered or replaced inside the block are undone at its end, so a test module that
+    registers stand-ins (e.g. the Triton kernels for CPU tensors under the interpreter) leaves every other
+    module the registry it found."""
+    saved = {op: list(lst) for op, lst in _REGISTRY.items()}
+    try:
+        yield
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(saved)
+
+
 def forced() -> Optional[str]:
     return getattr(_state, "forced", None) or _global_forced
 
