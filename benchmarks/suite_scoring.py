@@ -159,6 +159,37 @@ def read_same_bytes(cache, bt, cand, contig=False, warps=8):
     return (lambda: _read_blocks[(B, nbk // NB)](src, bt, cand, out, nbk, bt.stride(0), cache.stride(0), NB=NB,
                                                  CONTIG=contig, num_warps=warps)), nbytes
 
+@triton.jit
+def _copy_to_slots(k_ptr, slot_ptr, cache_ptr, T, PS, PAGE_: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
+                   BT: tl.constexpr):
+    """``write_k_cache``'s memory traffic without its encoding: each token's input row read whole (KW int32
+    words), folded by XOR into VW words stored as the slot's values, and their XOR stored as its 4-byte scale
+    word (page layout: PAGE_ tokens' values, then their scale words)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = t < T
+    src = k_ptr.to(tl.pointer_type(tl.int32))
+    row = tl.load(src + t.to(tl.int64)[:, None] * KW + tl.arange(0, KW)[None, :], mask=ok[:, None], other=0)
+    vals = tl.xor_sum(tl.reshape(row, [BT, KW // VW, VW]), 1)
+    slot = tl.load(slot_ptr + t, mask=ok, other=0).to(tl.int64)
+    page, off = slot // PAGE_, slot % PAGE_
+    dst = cache_ptr.to(tl.pointer_type(tl.int32)) + page * (PS // 4)
+    tl.store(dst[:, None] + off[:, None] * VW + tl.arange(0, VW)[None, :], vals, mask=ok[:, None])
+    tl.store(dst + PAGE_ * VW + off, tl.xor_sum(vals, 1), mask=ok)
+
+
+def copy_to_slots(k, slot, cache, fmt, bt=32, warps=4):
+    """``fn()`` moving the bytes ``write_k_cache(k, slot, cache, fmt)`` moves, to the same slots, with no
+    quantization: what a memory-only kernel gets on that access pattern (random slots make every 4-byte scale
+    store a partial-sector write), next to the copy-bandwidth floor. ``k [T, D]`` 16-bit, ``cache [pages, PAGE,
+    bytes_per_token]``."""
+    T, Dk = k.shape
+    vb = formats.value_bytes(fmt, Dk)
+    assert k.element_size() == 2 and k.is_contiguous() and cache.is_contiguous()
+    page, ps = cache.shape[1], cache.stride(0)
+    return lambda: _copy_to_slots[(triton.cdiv(T, bt),)](k, slot, cache, T, ps, PAGE_=page, KW=Dk // 2,
+                                                         VW=vb // 4, BT=bt, num_warps=warps)
+
+
 # Row-kernel launch configurations compared at the target shapes (triton_scoring._rows_config):
 # (BLOCK_N, warps, stages, tiles per program, per-tile id loads, packed ids, register cap). Two stages and a
 # register cap of 96 let 5 CTAs share an SM instead of 3-4 (shared memory / registers; MXFP4 spills under a
@@ -507,6 +538,12 @@ def bench_cache(rows, quick):
             _row(rows, op="write_k_cache", impl=f"triton {name}", fmt=fmt, shape=f"T{T} D{D} bf16",
                  time_us=tcont, floor_us=common.floor_us(by), tbps=by / tcont / 1e6, target=">= 0.8 of copy bw",
                  meets=common.floor_us(by) / tcont >= 0.8, check="")
+        # The same bytes to the same random slots by a kernel that only moves them: how much of the gap to the
+        # floor the access pattern itself costs (check: write_k_cache's time over the plain copy's).
+        for bt_, w_ in ((32, 4), (16, 1)):
+            tp = _t(copy_to_slots(k, slot, cache, fmt, bt_, w_))
+            _row(rows, op="write_k_cache", impl=f"plain copy ({bt_}, {w_})", fmt=fmt, shape=f"T{T} D{D} bf16",
+                 time_us=tp, floor_us=common.floor_us(by), tbps=by / tp / 1e6, check=f"write/copy={t / tp:.3f}")
         # (tokens per program, integer e4m3 rounding[, warps[, L2 hints]]): the defaults of both formats (FP8 16
         # tokens on one warp, MXFP4 32 on four: triton_cache._WRITE_LAUNCH) and alternatives. FP8 on random slots is
         # at its target's edge, its scale words each a partial-sector write; the hints keep them in L2 until
