@@ -7,7 +7,7 @@ of 128K-token requests, H 64, D 128, FP8, top-k 2048, 2048 published candidate b
 
 Rows: ``cp_indexer_decode`` on each rank's shard (scores of its own positions, local top-k and block top-m,
 one all-gather of fixed-size candidates, exact merge), timed on rank 0 with every rank replaying the same
-CUDA graph; ``indexer_decode`` over the whole cache on one GPU (rank 0). ``check``: rank 0 also builds the
+CUDA graph, selecting through the single-GPU top-k ops (default) and through the ``cp_*`` ops ("cp ops"); ``indexer_decode`` over the whole cache on one GPU (rank 0). ``check``: rank 0 also builds the
 whole cache and requires the merged top-k and candidate blocks to equal the single-GPU step's.
 """
 from __future__ import annotations
@@ -108,20 +108,29 @@ def run(args) -> list[dict]:
         def step():
             cp.cp_indexer_decode(qv, qs, cache, wv, lens, bt, req, ctx, TOPK, CBS, buf, idx, cb)
 
-        step()
-        torch.cuda.synchronize()
-        check = ""
-        if rank == 0:
-            check = "exact" if torch.equal(idx, want[0]) and torch.equal(cb, want[1]) else "MISMATCH"
-        # Every rank replays the same graph the same number of times, so the collectives pair up; rank 0's
-        # figure is reported.
-        t = common.replay_us(step)
-        if rank == 0:
-            rows.append(common.record(op="cp_indexer_decode", impl=f"{W} rank(s), NCCL", world=W,
-                                      interleave=interleave, shape=shape, time_us=t, vs_single_gpu=t / single,
-                                      check=check))
-            print(f"[cp] W={W} interleave={interleave}: {t:.1f} us ({t / single:.2f}x one GPU), {check}",
-                  flush=True)
+        # The step's selection through the single-GPU top-k kernels (the default), and through the cp_* ops'
+        # reference backend (how every step selected before; cp.SELECT_BY_CP_OPS).
+        for by_ops in (False, True):
+            cp.SELECT_BY_CP_OPS = by_ops
+            try:
+                idx.fill_(-7)
+                cb.fill_(-7)
+                step()
+                torch.cuda.synchronize()
+                check = ""
+                if rank == 0:
+                    check = "exact" if torch.equal(idx, want[0]) and torch.equal(cb, want[1]) else "MISMATCH"
+                # Every rank replays the same graph the same number of times, so the collectives pair up; rank
+                # 0's figure is reported.
+                t = common.replay_us(step)
+            finally:
+                cp.SELECT_BY_CP_OPS = False
+            if rank == 0:
+                impl = f"{W} rank(s), NCCL" + (", cp ops" if by_ops else "")
+                rows.append(common.record(op="cp_indexer_decode", impl=impl, world=W, interleave=interleave,
+                                          shape=shape, time_us=t, vs_single_gpu=t / single, check=check))
+                print(f"[cp] W={W} interleave={interleave} {impl}: {t:.1f} us ({t / single:.2f}x one GPU), "
+                      f"{check}", flush=True)
         del cache, buf
         torch.cuda.empty_cache()
     return rows if rank == 0 else []

@@ -125,20 +125,27 @@ def _clamped(lengths, L):
     return lengths.long().clamp(0, L)
 
 
+# The merges: the ops (reference) and the steps' composition through topk (distributed._merge_*).
+TOPK_MERGES = {"op": ops.cp_topk_merge, "composed": cp._merge_topk}
+BLOCK_MERGES = {"op": ops.cp_block_merge, "composed": cp._merge_blocks}
+
+
+@pytest.mark.parametrize("merge", TOPK_MERGES)
 @pytest.mark.parametrize("W, I", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 4), (3, 16)])
 @pytest.mark.parametrize("k", [1, 5, 16, 40])
-def test_topk_merge_matches_oracle(gen, W, I, k):
+def test_topk_merge_matches_oracle(gen, W, I, k, merge):
     R, L = 12, 37
     logits = cases.special_logits(R, L, gen)
     lengths = cases.lengths_for(R, L, k, gen)
     n = _clamped(lengths, L)
     s, p = _ranks_topk(logits, n, k, W, I, gen)
     out = torch.full((R, k), 7, dtype=torch.int32)
-    ops.cp_topk_merge(s, p, k, out)
+    TOPK_MERGES[merge](s, p, k, out)
     assert out.tolist() == oracle.topk(logits, lengths, k)
 
 
-def test_topk_merge_large_k(gen):
+@pytest.mark.parametrize("merge", TOPK_MERGES)
+def test_topk_merge_large_k(gen, merge):
     """k = 4096 (the op's maximum) with rows longer and shorter than k, over 3 ranks of interleave 64."""
     R, L, k = 3, 4500, 4096
     logits = torch.randint(-20, 20, (R, L), generator=gen).float()  # many ties
@@ -146,7 +153,7 @@ def test_topk_merge_large_k(gen):
     lengths = torch.tensor([L, 4096, 1000], dtype=torch.int32)
     s, p = _ranks_topk(logits, _clamped(lengths, L), k, 3, 64, gen)
     out = torch.empty(R, k, dtype=torch.int32)
-    ops.cp_topk_merge(s, p, k, out)
+    TOPK_MERGES[merge](s, p, k, out)
     assert out.tolist() == oracle.topk(logits, lengths, k)
 
 
@@ -170,9 +177,10 @@ def test_local_topk_outputs_scores_and_positions(gen):
         assert [("nan" if v != v else v) for v in got] == [("nan" if v != v else v) for v in want]
 
 
+@pytest.mark.parametrize("merge", BLOCK_MERGES)
 @pytest.mark.parametrize("W, I", [(1, 1), (2, 1), (3, 1), (2, 8), (4, 2), (2, 64)])
 @pytest.mark.parametrize("cbs, m", [(8, 1), (8, 3), (16, 2), (64, 4)])
-def test_block_merge_matches_oracle(gen, W, I, cbs, m):
+def test_block_merge_matches_oracle(gen, W, I, cbs, m, merge):
     """Partial block maxima per rank (blocks split over ranks when I < cbs) merged equal block_topk on
     the whole row."""
     R, L = 12, 150
@@ -188,17 +196,19 @@ def test_block_merge_matches_oracle(gen, W, I, cbs, m):
         scores.append(s)
         blocks.append(b)
     out = torch.full((R, m), 7, dtype=torch.int32)
-    ops.cp_block_merge(torch.stack(scores), torch.stack(blocks), out)
+    BLOCK_MERGES[merge](torch.stack(scores), torch.stack(blocks), out)
     assert out.tolist() == oracle.block_topk(logits, lengths, cbs, m)
 
 
-def test_block_merge_takes_max_over_ranks(gen):
-    """The same block from several ranks counts once, with its best score (NaN below -inf)."""
+@pytest.mark.parametrize("merge", BLOCK_MERGES)
+def test_block_merge_takes_max_over_ranks(gen, merge):
+    """The same block from several ranks (or twice from one) counts once, with its best score (NaN below
+    -inf)."""
     W, R, C, m = 3, 20, 6, 3
     scores = cases.special_logits(W * R, C, gen).view(W, R, C)
     blocks = torch.randint(-1, 6, (W, R, C), generator=gen, dtype=torch.int32)
     out = torch.empty(R, m, dtype=torch.int32)
-    ops.cp_block_merge(scores, blocks, out)
+    BLOCK_MERGES[merge](scores, blocks, out)
     for r in range(R):
         best = {}
         for w in range(W):
@@ -206,6 +216,75 @@ def test_block_merge_takes_max_over_ranks(gen):
                 if b >= 0:
                     best[b] = min(best.get(b, v), v, key=oracle._rank)
         assert out[r].tolist() == oracle.select(list(best.items()), m)
+
+
+def _bits(x):
+    """float32 scores as comparable bits (NaN payloads and -0 included)."""
+    return x.contiguous().view(torch.int32).tolist()
+
+
+@pytest.mark.parametrize("W, I", [(1, 1), (2, 1), (2, 4), (3, 1), (3, 16), (2, 64), (4, 2)])
+@pytest.mark.parametrize("cbs", [8, 16, 64])
+def test_composed_local_selection_equals_ops(gen, W, I, cbs):
+    """What a step's columns look like (dense: a valid prefix of increasing global positions), selected by
+    topk / block_topk (distributed._local_*) and by the cp ops: the same entries, bit for bit. Block
+    selection is composed only where global blocks are aligned local blocks (_local_block_map)."""
+    R, C, k, m = 9, 70, 12, 5
+    for r in range(W):
+        shard = cp.CPShard(r, W, I)
+        logits = cases.special_logits(R, C, gen)
+        logits[0, :] = 2.0  # one row all tied
+        n = torch.randint(0, C + 1, (R,), generator=gen, dtype=torch.int32)
+        n[1], n[2] = 0, C
+        gpos = shard.to_global(torch.arange(C)).to(torch.int32)
+        pos = torch.where(torch.arange(C)[None, :] < n[:, None], gpos[None, :], torch.full((1, C), -1, dtype=torch.int32))
+        want_s, want_p = torch.empty(R, k), torch.empty(R, k, dtype=torch.int32)
+        ops.cp_local_topk(logits, pos, k, want_s, want_p)
+        got_s, got_p = torch.full((R, k), 7.0), torch.full((R, k), 7, dtype=torch.int32)
+        cp._local_topk_dense(logits, n, gpos, k, got_s, got_p)
+        assert got_p.tolist() == want_p.tolist() and _bits(got_s) == _bits(want_s)
+        bmap = cp._local_block_map(shard, cbs)
+        aligned = cbs % (I * W) == 0 and cbs // W >= 8 or I % cbs == 0
+        assert (bmap is not None) == aligned
+        if bmap is None:
+            continue
+        want_s, want_b = torch.empty(R, m), torch.empty(R, m, dtype=torch.int32)
+        ops.cp_local_block_topk(logits, pos, cbs, want_s, want_b)
+        got_s, got_b = torch.full((R, m), 7.0), torch.full((R, m), 7, dtype=torch.int32)
+        cp._local_block_topk(logits, n, bmap[0], bmap[1], got_s, got_b)
+        assert got_b.tolist() == want_b.tolist() and _bits(got_s) == _bits(want_s)
+
+
+@pytest.mark.parametrize("W, I, cbs", [(1, 1, 8), (2, 1, 16), (2, 64, 8), (3, 16, 16), (1, 1, 64)])
+def test_composed_sparse_local_topk_equals_op(gen, W, I, cbs):
+    """Sparse local logits of an exact plan (ascending local blocks, then -1; positions past the local length
+    not selectable), selected by sparse_topk (distributed._local_topk_sparse) and by cp_local_topk."""
+    R, M, k = 8, 6, 10
+    for r in range(W):
+        shard = cp.CPShard(r, W, I)
+        plan = cp.sparse_plan(shard, cbs)
+        assert plan.exact
+        g = plan.block
+        width = M * plan.per_candidate * g
+        n = torch.randint(0, 60, (R,), dtype=torch.int32, generator=gen)
+        n[0] = 0
+        nb = int(n.max()) // g + 3
+        lc = torch.full((R, M * plan.per_candidate), -1, dtype=torch.int32)
+        for row in range(R):
+            ids = sorted(torch.randperm(nb, generator=gen)[: int(torch.randint(0, lc.shape[1] + 1, (1,),
+                                                                                 generator=gen))].tolist())
+            lc[row, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        logits = cases.special_logits(R, width, gen)
+        col = torch.arange(width)
+        lb = lc.long()[:, col // g]
+        lp = lb * g + col % g
+        pos = torch.where((lb >= 0) & (lp < n.long()[:, None]), shard.to_global(lp.clamp(min=0)),
+                          torch.full_like(lp, -1)).to(torch.int32)
+        want_s, want_p = torch.empty(R, k), torch.empty(R, k, dtype=torch.int32)
+        ops.cp_local_topk(logits, pos, k, want_s, want_p)
+        got_s, got_p = torch.full((R, k), 7.0), torch.full((R, k), 7, dtype=torch.int32)
+        cp._local_topk_sparse(logits, lc, g, n, shard, k, got_s, got_p)
+        assert got_p.tolist() == want_p.tolist() and _bits(got_s) == _bits(want_s)
 
 
 def test_merge_of_gather_buffer_views(gen):
@@ -390,9 +469,12 @@ def _check_case(fmt, interleave, cbs, seed, rank, world_size, group=None, compil
                                  f"{t[bad].tolist()} vs {ref[name][bad].tolist()}")
 
 
+@pytest.mark.parametrize("by_cp_ops", [False, True], ids=["composed", "cp-ops"])
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_world_size_one_equals_single_gpu(seed, fmt):
-    """W = 1 (no process group; the gather is a copy): the CP step equals the single-GPU ops."""
+def test_world_size_one_equals_single_gpu(seed, fmt, by_cp_ops, monkeypatch):
+    """W = 1 (no process group; the gather is a copy): the CP step equals the single-GPU ops, selecting through
+    the single-GPU top-k ops (the default) or the cp ops."""
+    monkeypatch.setattr(cp, "SELECT_BY_CP_OPS", by_cp_ops)
     _check_case(fmt, 1, 8, seed, 0, 1)
 
 
@@ -421,6 +503,7 @@ def _worker(rank, world_size, port, case_list, backend="gloo"):
                 torch._dynamo.reset()
             if c.pop("list_gather", False):  # the fallback for a gloo without all_gather_into_tensor
                 cp._LIST_GATHER_BACKENDS.add("gloo")
+            cp.SELECT_BY_CP_OPS = c.pop("by_cp_ops", False)
             _check_case(rank=rank, world_size=world_size, group=None, device=device, **c)
         dist.barrier()
     finally:
@@ -445,6 +528,7 @@ def test_gloo_two_ranks(seed):
     case_list = [dict(fmt=f, interleave=i, cbs=c, seed=seed + j)
                  for j, (f, i, c) in enumerate([(f, i, c) for f in ("fp8", "mxfp4") for i in (1, 64) for c in (8, 16)])]
     case_list.append(dict(fmt="fp8", interleave=1, cbs=8, seed=seed, compiled=True))
+    case_list.append(dict(fmt="mxfp4", interleave=1, cbs=16, seed=seed + 9, by_cp_ops=True))
     _spawn(2, case_list)
 
 

@@ -32,9 +32,12 @@ with ``fullgraph=True`` (``tests/test_distributed.py``, gloo, ``aot_eager``).
 aligned local blocks (:func:`sparse_plan`): ``M * cbs / W`` columns per row when ``I * W`` divides
 ``cbs``, up to ``M * cbs`` when ``I >= cbs`` (whole blocks live on one rank, which may own them all).
 
-The merge and local-selection ops are ``torch.ops.sparse_indexer.cp_*`` (reference semantics in
-:mod:`torch_sparse_indexer.reference`); the step functions below compose them with the single-GPU scoring
-ops, which run unchanged on each rank's shard.
+The merge and local-selection ops are ``torch.ops.sparse_indexer.cp_*`` (any positions; reference semantics
+and only backend in :mod:`torch_sparse_indexer.reference`). The step functions below run the single-GPU scoring
+ops unchanged on each rank's shard and select with the single-GPU ``topk`` / ``sparse_topk`` / ``block_topk``
+ops (CUDA kernels on a GPU) wherever their columns make that exact -- increasing positions, a valid prefix or
+ascending local blocks, global blocks aligned with local ones -- and with the ``cp_*`` ops elsewhere
+(``SELECT_BY_CP_OPS`` forces the latter).
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import formats, ops as _ops_module  # noqa: F401  (registers the ops)
+from . import formats, reference, ops as _ops_module  # noqa: F401  (registers the ops)
 
 _ops = torch.ops.sparse_indexer
 _BIG = torch.iinfo(torch.int64).max
@@ -385,22 +388,162 @@ def _payload(buf: CPBuffers, R: int, m: int):
     return send, recv, scores, ids, gathered
 
 
-def _select_and_merge(buf, logits, positions, topk, cbs, topk_indices, candidate_blocks, group):
+# Local selection and merge. The cp_* ops take any positions, and their only backend is the reference, which
+# sorts whole rows (a 128 x 128K decode step took 23.5 ms on one H200 rank against 0.77 ms for indexer_decode,
+# NOTES.md). A step knows more about its columns: the valid ones are a prefix (dense) or the valid columns of
+# ascending local blocks (sparse, exact plans), and their global positions increase with the column
+# (to_global is strictly increasing). "Lower position wins" is then the single-GPU selection ops' own "lower
+# column wins", so topk / sparse_topk / block_topk -- the CUDA kernels on a GPU -- pick exactly the entries the
+# cp ops would; the merges sort the W * k gathered entries by position (or block id) and select with topk the
+# same way. Shapes outside that (inexact sparse plans, global blocks that are not aligned local blocks, more
+# than MAX_TOPK blocks) keep the cp ops. SELECT_BY_CP_OPS = True uses the cp ops everywhere (comparisons).
+SELECT_BY_CP_OPS = False
+_NEG_INF = float("-inf")
+
+
+def _local_block_map(shard: CPShard, cbs: int):
+    """(local block size, local block ids -> global block ids) when each global block of ``cbs`` positions
+    is one aligned local block of every rank (maybe empty), else None."""
+    I, W = shard.interleave, shard.world_size
+    if cbs % (I * W) == 0 and cbs // W in formats.CANDIDATE_BLOCK_SIZES:
+        return cbs // W, lambda j: j  # local block j holds this rank's share of global block j
+    if I % cbs == 0:
+        return cbs, lambda j: shard.to_global(j * cbs) // cbs  # whole blocks inside one ownership run
+    return None
+
+
+def _entries(logits, cols, pos, scores, out_pos):
+    """``scores / out_pos [R, k]`` of the selected columns ``cols`` (int64, < 0: none) at positions ``pos``."""
+    ok = cols >= 0
+    vals = logits.gather(1, cols.clamp(min=0))
+    scores.copy_(torch.where(ok, vals, torch.full_like(vals, _NEG_INF)))
+    out_pos.copy_(torch.where(ok, pos, torch.full_like(pos, -1)))
+
+
+def _local_topk_dense(logits, n, gpos, k, scores, out_pos):
+    """cp_local_topk for dense local logits: columns ``[0, n)`` valid, column c at global position
+    ``gpos[c]`` (increasing)."""
+    cols = torch.empty_like(out_pos)
+    _ops.topk(logits, n, k, cols)
+    c = cols.long()
+    _entries(logits, c, gpos.long()[c.clamp(min=0)], scores, out_pos)
+
+
+def _local_topk_sparse(logits, local_cands, g, n, shard, k, scores, out_pos):
+    """cp_local_topk for sparse local logits of an exact plan: blocks ``local_cands`` (ascending, then -1) of
+    ``g`` columns, positions past ``n`` not selectable."""
+    lpos = torch.empty_like(out_pos)
+    _ops.sparse_topk(logits, local_cands, g, n, k, lpos)
+    lp = lpos.long()
+    ok = lp >= 0
+    lp0 = lp.clamp(min=0)
+    # The column of a selected local position: its block's index in the ascending id list, by search.
+    ids = torch.where(local_cands >= 0, local_cands.long(), torch.full_like(local_cands, _BIG, dtype=torch.long))
+    col = torch.searchsorted(ids, lp0 // g) * g + lp0 % g
+    col = torch.where(ok, col.clamp(max=logits.shape[1] - 1), torch.full_like(col, -1))
+    _entries(logits, col, shard.to_global(lp0), scores, out_pos)
+
+
+def _local_block_topk(logits, n, lbs, to_global_block, scores, blocks):
+    """cp_local_block_topk when global blocks are aligned local blocks of ``lbs`` columns (``_local_block_map``):
+    block_topk on the local logits, then each chosen block's best valid score."""
+    R, m = blocks.shape
+    lb = torch.empty_like(blocks)
+    _ops.block_topk(logits, n, lbs, lb)
+    j = lb.long()
+    ok = j >= 0
+    col = j.clamp(min=0)[:, :, None] * lbs + torch.arange(lbs, device=j.device)
+    inside = col < n.long()[:, None, None]
+    v = logits.gather(1, col.clamp(max=logits.shape[1] - 1).view(R, m * lbs)).view(R, m, lbs)
+    # the first column of the block's best key (NaN below -inf), as cp_local_block_topk takes it
+    key = torch.where(inside, reference.rank_key(v), torch.full_like(v, _NEG_INF, dtype=torch.float64))
+    best = v.gather(2, key.argmax(dim=2, keepdim=True)).squeeze(2)
+    scores.copy_(torch.where(ok, best, torch.full_like(best, _NEG_INF)))
+    gid = to_global_block(j.clamp(min=0))
+    blocks.copy_(torch.where(ok, gid, torch.full_like(gid, -1)))
+
+
+def _flat(x):
+    """``[W, R, C]`` -> ``[R, W * C]`` (as the reference's merges see it)."""
+    W, R, C = x.shape
+    return x.permute(1, 0, 2).reshape(R, W * C)
+
+
+def _merge_topk(scores, positions, k, indices):
+    """cp_topk_merge of local top-k's (each rank's positions ascending, then -1; distinct across ranks)."""
+    W = scores.shape[0]
+    s, p = _flat(scores), _flat(positions).long()
+    if W > 1:  # every entry in position order (a rank's section already is)
+        order = torch.argsort(torch.where(p >= 0, p, torch.full_like(p, _BIG)), dim=1)
+        s, p = s.gather(1, order), p.gather(1, order)
+    cols = torch.empty_like(indices)
+    _ops.topk(s.contiguous(), (p >= 0).sum(1, dtype=torch.int32), k, cols)
+    c = cols.long()
+    indices.copy_(torch.where(c >= 0, p.gather(1, c.clamp(min=0)), torch.full_like(c, -1)))
+
+
+def _merge_blocks(scores, blocks, candidate_blocks):
+    """cp_block_merge of local block top-m's (each rank's ids ascending, then -1)."""
+    W = scores.shape[0]
+    s, b = _flat(scores), _flat(blocks).long()
+    b = torch.where(b >= 0, b, torch.full_like(b, _BIG))
+    if W > 1:
+        # A block from several ranks counts once, with its best score: entries by id, the best first (two
+        # stable sorts), then the first of each id in id order.
+        by_key = torch.argsort(reference.rank_key(s), dim=1, descending=True, stable=True)
+        ids = b.gather(1, by_key)
+        by_id = torch.argsort(ids, dim=1, stable=True)
+        order, ids = by_key.gather(1, by_id), ids.gather(1, by_id)
+        first = ids != _BIG
+        first[:, 1:] &= ids[:, 1:] != ids[:, :-1]
+        keep = torch.argsort(torch.where(first, ids, torch.full_like(ids, _BIG)), dim=1, stable=True)
+        s, b = s.gather(1, order.gather(1, keep)), torch.where(first, ids, torch.full_like(ids, _BIG)).gather(1, keep)
+    cols = torch.empty_like(candidate_blocks)
+    _ops.topk(s.contiguous(), (b != _BIG).sum(1, dtype=torch.int32), candidate_blocks.shape[1], cols)
+    c = cols.long()
+    candidate_blocks.copy_(torch.where(c >= 0, b.gather(1, c.clamp(min=0)), torch.full_like(c, -1)))
+
+
+def _select_and_merge(buf, logits, n, positions_fn, topk, cbs, topk_indices, candidate_blocks, group,
+                      local_cands=None):
+    """Local top-k (and top-m partial blocks when publishing ``candidate_blocks``), the one collective, the
+    merges. ``positions_fn()`` fills and returns the columns' global positions (-1: not selectable) for the
+    cp ops; the composed selection does not need them."""
     R = logits.shape[0]
     m = 0 if candidate_blocks is None else candidate_blocks.shape[1]
     k = topk
+    shard, plan = buf.shard, buf.plan
     send, recv, scores, (tp, bi), (gts, gtp, gbs, gbi) = _payload(buf, R, m)
+    ls, bs_ = scores[: R * k].view(R, k), scores[R * k:].view(R, m)
+    compose = not SELECT_BY_CP_OPS
+    pos = None
     # The ops write float scores into a float32 buffer, copied as bits into the int32 payload: under
     # torch.compile a custom op's write through a dtype-reinterpreting view of an input is lost.
-    _ops.cp_local_topk(logits, positions, topk, scores[: R * k].view(R, k), tp)
+    if compose and plan is None:
+        _local_topk_dense(logits, n, buf.gpos, k, ls, tp)
+    elif compose and plan.exact:
+        _local_topk_sparse(logits, local_cands, plan.block, n, shard, k, ls, tp)
+    else:
+        pos = positions_fn()
+        _ops.cp_local_topk(logits, pos, topk, ls, tp)
     send[: R * k].copy_(scores[: R * k].view(torch.int32))
+    bmap = _local_block_map(shard, cbs) if m and compose and m <= formats.MAX_TOPK else None
     if m:
-        _ops.cp_local_block_topk(logits, positions, cbs, scores[R * k:].view(R, m), bi)
+        if bmap is not None:
+            _local_block_topk(logits, n, bmap[0], bmap[1], bs_, bi)
+        else:
+            _ops.cp_local_block_topk(logits, positions_fn() if pos is None else pos, cbs, bs_, bi)
         send[2 * R * k: 2 * R * k + R * m].copy_(scores[R * k:].view(torch.int32))
     all_gather_into(recv, send, group)
-    _ops.cp_topk_merge(gts, gtp, topk, topk_indices)
+    if compose:
+        _merge_topk(gts, gtp, topk, topk_indices)
+    else:
+        _ops.cp_topk_merge(gts, gtp, topk, topk_indices)
     if m:
-        _ops.cp_block_merge(gbs, gbi, candidate_blocks)
+        if compose and m <= formats.MAX_TOPK:
+            _merge_blocks(gbs, gbi, candidate_blocks)
+        else:
+            _ops.cp_block_merge(gbs, gbi, candidate_blocks)
 
 
 def _check_step(buf, R, topk, candidate_blocks, cbs, dense, max_context=None):
@@ -465,9 +608,12 @@ def cp_indexer_prefill(q, q_scale, k, k_scale, weights, ks, ke, max_context: int
     _prefill_local_n(ks, ke, k.shape[0], cap, n)
     logits = buffers.logits[:T]
     _ops.mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, logits)
-    pos = buffers.positions[:T]
-    _dense_positions(n, buffers.gpos, pos)
-    _select_and_merge(buffers, logits, pos, topk, cbs, topk_indices, candidate_blocks, group)
+
+    def positions():
+        pos = buffers.positions[:T]
+        _dense_positions(n, buffers.gpos, pos)
+        return pos
+    _select_and_merge(buffers, logits, n, positions, topk, cbs, topk_indices, candidate_blocks, group)
 
 
 def cp_indexer_decode(q, q_scale, kv_cache, weights, context_lens, block_table, req_indices, max_context: int,
@@ -482,9 +628,12 @@ def cp_indexer_decode(q, q_scale, kv_cache, weights, context_lens, block_table, 
     _decode_local_n(context_lens, req_indices, block_table, bs, max_context, buffers.shard, n)
     logits = buffers.logits[:R]
     _ops.paged_mqa_logits(q, q_scale, kv_cache, weights, n, block_table, req_indices, logits)
-    pos = buffers.positions[:R]
-    _dense_positions(n, buffers.gpos, pos)
-    _select_and_merge(buffers, logits, pos, topk, cbs, topk_indices, candidate_blocks, group)
+
+    def positions():
+        pos = buffers.positions[:R]
+        _dense_positions(n, buffers.gpos, pos)
+        return pos
+    _select_and_merge(buffers, logits, n, positions, topk, cbs, topk_indices, candidate_blocks, group)
 
 
 def cp_sparse_indexer_prefill(q, q_scale, k, k_scale, weights, ks, ke, candidate_blocks, cbs: int, topk: int,
@@ -501,9 +650,12 @@ def cp_sparse_indexer_prefill(q, q_scale, k, k_scale, weights, ks, ke, candidate
     _local_candidates(candidate_blocks, cbs, n, shard, plan, lc)
     logits = buffers.logits[:T]
     _ops.sparse_mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, lc, plan.block, logits)
-    pos = buffers.positions[:T]
-    _sparse_positions(lc, candidate_blocks, cbs, n, shard, plan, pos)
-    _select_and_merge(buffers, logits, pos, topk, cbs, topk_indices, None, group)
+
+    def positions():
+        pos = buffers.positions[:T]
+        _sparse_positions(lc, candidate_blocks, cbs, n, shard, plan, pos)
+        return pos
+    _select_and_merge(buffers, logits, n, positions, topk, cbs, topk_indices, None, group, local_cands=lc)
 
 
 def cp_sparse_indexer_decode(q, q_scale, kv_cache, weights, context_lens, block_table, req_indices,
@@ -522,6 +674,9 @@ def cp_sparse_indexer_decode(q, q_scale, kv_cache, weights, context_lens, block_
     logits = buffers.logits[:R]
     _ops.paged_sparse_mqa_logits(q, q_scale, kv_cache, weights, n, block_table, req_indices, lc, plan.block,
                                  logits)
-    pos = buffers.positions[:R]
-    _sparse_positions(lc, candidate_blocks, cbs, n, shard, plan, pos)
-    _select_and_merge(buffers, logits, pos, topk, cbs, topk_indices, None, group)
+
+    def positions():
+        pos = buffers.positions[:R]
+        _sparse_positions(lc, candidate_blocks, cbs, n, shard, plan, pos)
+        return pos
+    _select_and_merge(buffers, logits, n, positions, topk, cbs, topk_indices, None, group, local_cands=lc)
