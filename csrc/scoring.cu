@@ -616,6 +616,9 @@ struct Program {
       const int again = __syncthreads_or(bad ? 1 : 0) || !ok;
       if (again) {
         cp_async_wait<0>();
+        // Every thread's copies have landed before anyone overwrites the ring: a thread's last copies (of the
+        // tiles past the end, zero-filled) into its slots could otherwise land on another's queries.
+        __syncthreads();
         // the unfolded queries go to ring stages 1.. (free now; the loads below use stage 0)
         static_assert(!FP4 || (P - 1) * T::kStage >= N * D, "the per-group queries need P - 1 ring stages");
         uint8_t* qu = ring + T::kStage;

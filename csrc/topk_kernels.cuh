@@ -1181,12 +1181,12 @@ __device__ void final_global(Smem& sm, int& par, const Src& src, const Thresh& t
 
 // cp.async (SM80+): N = 16 or 4 bytes from global to shared memory without passing through registers (16-byte
 // copies skip L1: .cg; smaller ones must use .ca); commit groups and their waits are per thread. The emulator
-// copies at once.
+// lands each group at the wait that covers it (tsi_emu::async_copy).
 template <int N>
 __device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
   static_assert(N == 16 || N == 4, "cp.async sizes used here");
 #ifdef TSI_EMULATE
-  memcpy(smem, gmem, N);
+  tsi_emu::async_copy(static_cast<unsigned char*>(smem), gmem, N, N);
 #else
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   if constexpr (N == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
@@ -1194,13 +1194,17 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {
-#ifndef TSI_EMULATE
+#ifdef TSI_EMULATE
+  tsi_emu::async_commit();
+#else
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-#ifndef TSI_EMULATE
+#ifdef TSI_EMULATE
+  tsi_emu::async_wait(N);
+#else
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
@@ -1490,6 +1494,7 @@ __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   const int r = total <= (uint32_t)kk ? (int)total : kk;
   if (total > (uint32_t)kk && sm.ctl[2] <= (uint32_t)BIN_CAP) {
     smem_bitmap_select(sm, K, m, (uint32_t)kk, [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
+    TSI_MARK(15);
     write_staged(sm, src, stage, r, out, kk);
     TSI_MARK(14);
     return;

@@ -2,7 +2,8 @@
 (development; needs a library built with ``-DTSI_PHASE_TIMING``, given as TORCH_SPARSE_INDEXER_TOPK_LIB).
 Prints, per shape, the cycles between the recorded points (sampled mode: 0 start, 1 sample loaded,
 2 threshold, 3 pass done, 4 exact threshold, 5 selection marked in the bitmaps, 6 output; shared-memory mode:
-10 start, 11 row loaded + histogram, 12 coarse bin, 13 exact threshold, 14 output; inside phases: 20 buffer
+10 start, 11 row loaded + histogram, 12 coarse bin, 13 exact threshold, 15 selection staged (bitmap path),
+14 output written (sparse_topk rows: positions from the candidate ids and the order check); inside phases: 20 buffer
 histogram, 21 its bin, 22 warp_select's gather, 23-25 sample_tau's steps), in time order, then from %globaltimer:
 the kernel's span (first CTA start to last CTA end), the spread of CTA starts, and CTA durations
 (median, max). L2 is flushed before each launch. Usage: python scripts/phase_topk.py  (on the GPU machine)."""
@@ -13,7 +14,8 @@ import torch
 
 from torch_sparse_indexer.kernels import cuda_topk as ct
 
-SHAPES = [(1, 131072), (64, 131072), (128, 131072), (4096, 131072), (4096, 16384)]
+SHAPES = [(1, 131072), (64, 131072), (128, 131072), (4096, 131072), (4096, 16384),
+          ("sparse", 4096, 2048, 8)]  # sparse_topk as in the benchmark: 2048 ascending blocks of 8 per row
 MHZ = 1980  # SM clock of the H200 under these loads (nvidia-smi in the same run's env.txt)
 ct.set_cluster_mode("off")
 lib = ct._LIB.lib
@@ -21,10 +23,17 @@ lib.tsi_topk_phase_cycles.argtypes = [ctypes.c_void_p]
 lib.tsi_topk_phase_spans.argtypes = [ctypes.c_void_p, ctypes.c_int]
 g = torch.Generator().manual_seed(0)
 scrub = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-for R, W in SHAPES:
+for shape in SHAPES:
+    sparse = shape[0] == "sparse"
+    R, W = (shape[1], shape[2] * shape[3]) if sparse else shape
     x = torch.randn(R, W, generator=g).cuda()
     lens = torch.full((R,), W, dtype=torch.int32, device="cuda")
     out = torch.empty(R, 2048, dtype=torch.int32, device="cuda")
+    if sparse:
+        nb, cbs = shape[2], shape[3]
+        blocks = torch.sort(torch.randperm(16 * nb, generator=g)[:nb]).values.to(torch.int32)
+        blocks = blocks[None].expand(R, nb).contiguous().cuda()
+        lens.fill_(16 * nb * cbs)
     buf = (ctypes.c_ulonglong * 32)()
     n = min(R, 4096)
     spans = (ctypes.c_ulonglong * (2 * n))()
@@ -32,7 +41,10 @@ for R, W in SHAPES:
         lib.tsi_topk_phase_cycles(ctypes.addressof(buf))  # clears the previous launch's points
         lib.tsi_topk_phase_spans(ctypes.addressof(spans), n)
         scrub.zero_()  # L2 flushed, as in the benchmarks
-        ct.topk(x, lens, 2048, out)
+        if sparse:
+            ct.sparse_topk(x, blocks, cbs, lens, 2048, out)
+        else:
+            ct.topk(x, lens, 2048, out)
         torch.cuda.synchronize()
     rc = lib.tsi_topk_phase_cycles(ctypes.addressof(buf))
     rs = lib.tsi_topk_phase_spans(ctypes.addressof(spans), n)
@@ -40,7 +52,7 @@ for R, W in SHAPES:
     pts = [i for i in range(32) if v[i]]
     pts.sort(key=lambda i: v[i])  # in time order (points inside phases have numbers >= 20)
     steps = [f"{a}->{b}: {(v[b] - v[a]) / MHZ:.2f} us" for a, b in zip(pts, pts[1:])]
-    print(f"{R}x{W}: rc={rc} points={pts} " + ", ".join(steps), flush=True)
+    print(f"{'sparse ' if sparse else ''}{R}x{W}: rc={rc} points={pts} " + ", ".join(steps), flush=True)
     s = list(spans)
     starts, ends = s[0::2], s[1::2]
     if rs == 0 and all(starts) and all(ends):

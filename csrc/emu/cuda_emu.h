@@ -64,6 +64,34 @@ struct Block {
 
 inline thread_local Block* tl_block = nullptr;
 
+// cp.async, deferred: a thread's copies are queued and land only when cp.async.wait_group lets their group
+// complete (oldest first), the latest moment the GPU allows. A read of a copy's destination before the wait
+// that covers it then sees the old bytes here too, so a wrong wait count fails the emulated tests instead of
+// passing because the copy was already done. (src_bytes < n: the rest is zero-filled, as the PTX says.)
+struct AsyncCopy {
+  unsigned char* dst;
+  const void* src;
+  int src_bytes, n;
+};
+inline thread_local std::vector<std::vector<AsyncCopy>> tl_async_groups;  // committed, oldest first
+inline thread_local std::vector<AsyncCopy> tl_async_open;                  // issued, not yet committed
+inline void async_copy(unsigned char* dst, const void* src, int src_bytes, int n) {
+  tl_async_open.push_back({dst, src, src_bytes, n});
+}
+inline void async_commit() {
+  tl_async_groups.push_back(std::move(tl_async_open));
+  tl_async_open.clear();
+}
+inline void async_wait(size_t pending) {
+  while (tl_async_groups.size() > pending) {
+    for (const AsyncCopy& c : tl_async_groups.front()) {
+      std::memset(c.dst, 0, (size_t)c.n);
+      if (c.src_bytes) std::memcpy(c.dst, c.src, (size_t)c.src_bytes);
+    }
+    tl_async_groups.erase(tl_async_groups.begin());
+  }
+}
+
 // A cluster: its blocks run concurrently (every thread of every block is a std::thread), with one
 // barrier across all of them and each block's shared memory visible to the others.
 struct Cluster {

@@ -2,7 +2,8 @@
 // emulation build (CSRC=scoring.cu csrc/emu/build_emu.sh): logic checks of the kernels on a machine without a GPU.
 // wgmma runs synchronously: every thread of the warpgroup (= the CTA) deposits its A registers, a barrier, each
 // thread computes its own accumulator fragment from all A fragments and the shared-memory B matrix its
-// descriptor addresses. cp.async copies at once. Not a performance model.
+// descriptor addresses. cp.async lands at the wait that covers it (tsi_emu::async_copy). Not a performance
+// model.
 #pragma once
 
 #include <cmath>
@@ -101,16 +102,16 @@ inline void e2m1x8_to_e4m3(uint32_t w, uint32_t l0, uint32_t l1, uint32_t& o0, u
 }
 
 inline void cp_async_n(uint32_t dst, const void* src, int src_bytes, int n) {
-  unsigned char* d = tsi_emu::tl_block->smem.data() + dst;
-  std::memset(d, 0, n);
-  if (src_bytes) std::memcpy(d, src, src_bytes);
+  tsi_emu::async_copy(tsi_emu::tl_block->smem.data() + dst, src, src_bytes, n);
 }
 inline void cp_async16(uint32_t dst, const void* src, int src_bytes) { cp_async_n(dst, src, src_bytes, 16); }
 inline void cp_async8(uint32_t dst, const void* src, int src_bytes) { cp_async_n(dst, src, src_bytes, 8); }
 inline void cp_async4(uint32_t dst, const void* src, int src_bytes) { cp_async_n(dst, src, src_bytes, 4); }
-inline void cp_async_commit() {}
+inline void cp_async_commit() { tsi_emu::async_commit(); }
 template <int N>
-inline void cp_async_wait() {}
+inline void cp_async_wait() {
+  tsi_emu::async_wait(N);
+}
 
 inline void wgmma_fence() {}
 inline void wgmma_commit() {}
