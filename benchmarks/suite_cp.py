@@ -7,8 +7,9 @@ of 128K-token requests, H 64, D 128, FP8, top-k 2048, 2048 published candidate b
 
 Rows: ``cp_indexer_decode`` on each rank's shard (scores of its own positions, local top-k and block top-m,
 one all-gather of fixed-size candidates, exact merge), timed on rank 0 with every rank replaying the same
-CUDA graph, selecting through the single-GPU top-k ops (default) and through the ``cp_*`` ops ("cp ops"); ``indexer_decode`` over the whole cache on one GPU (rank 0). ``check``: rank 0 also builds the
-whole cache and requires the merged top-k and candidate blocks to equal the single-GPU step's.
+CUDA graph, selecting through the single-GPU top-k ops (default) and through the ``cp_*`` ops ("cp ops");
+``indexer_decode`` over the whole cache on one GPU (rank 0). ``check``: rank 0 also builds the whole cache and
+requires the merged top-k and candidate blocks to equal the single-GPU step's.
 """
 from __future__ import annotations
 

@@ -237,7 +237,8 @@ def test_composed_local_selection_equals_ops(gen, W, I, cbs):
         n = torch.randint(0, C + 1, (R,), generator=gen, dtype=torch.int32)
         n[1], n[2] = 0, C
         gpos = shard.to_global(torch.arange(C)).to(torch.int32)
-        pos = torch.where(torch.arange(C)[None, :] < n[:, None], gpos[None, :], torch.full((1, C), -1, dtype=torch.int32))
+        pos = torch.where(torch.arange(C)[None, :] < n[:, None], gpos[None, :],
+                          torch.full((1, C), -1, dtype=torch.int32))
         want_s, want_p = torch.empty(R, k), torch.empty(R, k, dtype=torch.int32)
         ops.cp_local_topk(logits, pos, k, want_s, want_p)
         got_s, got_p = torch.full((R, k), 7.0), torch.full((R, k), 7, dtype=torch.int32)
