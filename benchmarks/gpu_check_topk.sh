@@ -9,6 +9,8 @@ mkdir -p "$OUT"
 BUDGET=${1:-300}
 START=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+# The libraries, packed by benchmarks/pack_carry.sh (carried as .carry/c.tar.xz: under the 64 MiB limit)
+[ -f .carry/c.tar.xz ] && tar xJf .carry/c.tar.xz -C torch_sparse_indexer
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 LIB=torch_sparse_indexer/_C/libsparse_indexer_topk.so

@@ -33,6 +33,18 @@ constexpr int kMaxTiles = 64;  // tiles per program at most
 // does not start on a page boundary).
 constexpr int kMaxEntries = kMaxTiles * kTileN / 8;
 
+// Development ablations for benchmarks (scripts/sweep_cuda_decode.py times such builds against the default one in
+// one process; their scores are wrong): -DTSI_SCORING_ABLATE=bits takes one part out of the main pass, so the time
+// it saves is what that part costs on the critical path. 1: the MXFP4 fold and scale-span check (the raw e2m1
+// words are the operand); 2: the wgmmas (the accumulators alias operand words); 4: the epilogue's head sum (one
+// accumulator per token); 8: the K bytes (every copy of 0 bytes, zero fill: no DRAM traffic for K). 0 (the
+// default) compiles none of it. Ablation builds also keep the default build's occupancy (smem_bytes), so that
+// their times differ by the removed work, not by more CTAs per SM from fewer registers.
+#ifndef TSI_SCORING_ABLATE
+#define TSI_SCORING_ABLATE 0
+#endif
+constexpr int kAblate = TSI_SCORING_ABLATE;
+
 struct Params {
   const uint8_t* q;          // [R, H, D] e4m3 or [R, H, D/2] e2m1 pairs
   const int32_t* q_scale;    // [R, H] UE8M0 words (mxfp4)
@@ -239,7 +251,8 @@ struct Stage {
 
 template <int N, int D, bool FP4, int P>
 constexpr int smem_bytes() {
-  return static_cast<int>((sizeof(Smem<N, D, FP4>) + 127) / 128 * 128) + P * Stage<D, FP4>::kStage;
+  const int b = static_cast<int>((sizeof(Smem<N, D, FP4>) + 127) / 128 * 128) + P * Stage<D, FP4>::kStage;
+  return kAblate != 0 && b < 49 * 1024 ? 49 * 1024 : b;  // (at most 4 CTAs per SM: 228 KB < 5 x 49 KB)
 }
 
 template <int D, bool FP4, int N, bool SPARSE, int P>
@@ -286,7 +299,8 @@ struct Program {
       }
       const Ent e = sm.ent[ei];
       const bool v = live && i < e.limit;
-      const int nb = v ? T::CB : 0;
+      const bool copy = v && !(kAblate & 8);
+      const int nb = copy ? T::CB : 0;
       const uint8_t* tok = e.tok + (i * VB + part);  // (an invalid entry points at the cache: 0 bytes copied)
 #pragma unroll
       for (int j = 0; j < T::CPR; ++j) {
@@ -296,7 +310,7 @@ struct Program {
         else
           cp_async8(d, tok + T::part_offset(0, j), nb);
       }
-      cp_async4(sdst + rr * kThreads * 4, e.tok + (e.sdelta + 4 * i), v ? 4 : 0);
+      cp_async4(sdst + rr * kThreads * 4, e.tok + (e.sdelta + 4 * i), copy ? 4 : 0);
       vbits |= static_cast<uint32_t>(v) << rr;
     }
     vmask = (vmask & ~(3u << (2 * stage))) | (vbits << (2 * stage));
@@ -334,7 +348,7 @@ struct Program {
                                            int stage, int k) const {
     float s0 = 0.f, s1 = 0.f;
 #pragma unroll
-    for (int c = 0; c < N / 8; ++c) {
+    for (int c = 0; c < ((kAblate & 4) ? 1 : N / 8); ++c) {
       s0 = fmaf(relu_nan(acc[4 * c]), wr[2 * c], s0);
       s0 = fmaf(relu_nan(acc[4 * c + 1]), wr[2 * c + 1], s0);
       s1 = fmaf(relu_nan(acc[4 * c + 2]), wr[2 * c], s1);
@@ -364,6 +378,11 @@ struct Program {
 
   // The tile's wgmmas: acc = A x B over D, A = the thread's operand words a[token][word], B at `desc`.
   __device__ __forceinline__ void mma(float (&acc)[NACC], const uint32_t (&a)[2][NW], uint64_t desc) const {
+    if constexpr ((kAblate & 2) != 0) {
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) acc[i] = __uint_as_float(a[i & 1][(i >> 1) % NW]);
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
     fence_operands(acc);
@@ -389,7 +408,14 @@ struct Program {
       read(stage, reinterpret_cast<uint32_t(&)[2][LW]>(a), sc);  // FP8: the bytes are the operand
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
-      if (FP4) {
+      if (FP4 && (kAblate & 1)) {
+#pragma unroll
+        for (int i = 0; i < LW; ++i) {
+          a[rr][2 * i] = raw[rr][i];
+          a[rr][2 * i + 1] = raw[rr][i] >> 4;
+        }
+        ksc[rr] = 1.f;
+      } else if (FP4) {
         // The token's group exponents are bytes 0..G-1 of its scale word; ref = the largest. Per byte
         // ref - e (no borrow crosses a byte: every e <= ref); the span check tests all bytes at once.
         constexpr uint32_t kBytes = G == 4 ? 0xFFFFFFFFu : 0x0000FFFFu;

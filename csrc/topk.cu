@@ -4,13 +4,29 @@
 // the launches can be captured in CUDA graphs. The launch configuration depends only on the shapes.
 #include <cstddef>
 
+#include "topk_kernels.cuh"  // namespace tsi: CTAs of TSI_THREADS (512) threads
+
+// The same kernels for CTAs of TSI_WIDE_THREADS threads (namespace tsi_wide), for dense rows when few rows leave
+// the SMs one CTA each (see g_wide_mode): twice the warps per SM in the streamed pass, each thread with the
+// two-CTA kernel's registers and tiles per batch. (Emulation builds pass a smaller TSI_WIDE_THREADS.)
+#ifndef TSI_WIDE_THREADS
+#define TSI_WIDE_THREADS 1024
+#endif
+#undef TSI_NS
+#undef TSI_THREADS
+#undef TSI_U1
+#undef TSI_UB1
+#define TSI_NS tsi_wide
+#define TSI_THREADS TSI_WIDE_THREADS
+#define TSI_U1 2
+#define TSI_UB1 4
 #include "topk_kernels.cuh"
 
 namespace {
 
 using tsi::Params;
 
-constexpr int kVersion = 3;
+constexpr int kVersion = 4;
 
 int log2_exact(int v) {
   int l = 0;
@@ -18,26 +34,30 @@ int log2_exact(int v) {
   return (1 << l) == v ? l : -1;
 }
 
-template <class Src, int MINB>
-cudaError_t launch_variant(const Params& p, cudaStream_t stream, int dev) {
-  const int smem = (int)sizeof(tsi::Smem);
+// One CTA of `threads` threads per row, `smem` bytes of dynamic shared memory.
+template <auto Kernel, int threads, int smem>
+cudaError_t launch_rows(const Params& p, cudaStream_t stream, int dev) {
 #ifndef TSI_EMULATE
   // Raise the dynamic shared-memory limit once per device (not a stream operation: capture-safe).
   static bool done[64] = {false};
   if (!done[dev]) {
-    cudaError_t e =
-        cudaFuncSetAttribute(tsi::topk_kernel<Src, MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return e;
     done[dev] = true;
   }
-  tsi::topk_kernel<Src, MINB><<<p.rows, tsi::THREADS, smem, stream>>>(p);
+  Kernel<<<p.rows, threads, smem, stream>>>(p);
   return cudaGetLastError();
 #else
   (void)stream;
   (void)dev;
-  tsi_emu::launch(p.rows, tsi::THREADS, smem, [p]() { tsi::topk_kernel<Src, MINB>(p); });
+  tsi_emu::launch(p.rows, threads, smem, [p]() { Kernel(p); });
   return cudaSuccess;
 #endif
+}
+
+template <class Src, int MINB>
+cudaError_t launch_variant(const Params& p, cudaStream_t stream, int dev) {
+  return launch_rows<tsi::topk_kernel<Src, MINB>, tsi::THREADS, (int)sizeof(tsi::Smem)>(p, stream, dev);
 }
 
 // Multiprocessor count per device, read once (a property query: capture-safe).
@@ -56,18 +76,43 @@ int sm_count(int dev) {
 #endif
 }
 
+cudaError_t current_device(int* dev) {
+  *dev = 0;
+#ifndef TSI_EMULATE
+  cudaError_t e = cudaGetDevice(dev);
+  if (e != cudaSuccess) return e;
+  if (*dev < 0 || *dev >= 64) return cudaErrorInvalidDevice;
+#endif
+  return cudaSuccess;
+}
+
 template <class Src>
 cudaError_t launch(const Params& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;
-  int dev = 0;
-#ifndef TSI_EMULATE
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-#endif
+  int dev;
+  if (cudaError_t e = current_device(&dev); e != cudaSuccess) return e;
   // The variant depends only on the row count: two CTAs per SM pay off once every SM has two rows.
   if (p.rows >= 2 * sm_count(dev)) return launch_variant<Src, 2>(p, stream, dev);
   return launch_variant<Src, 1>(p, stream, dev);
+}
+
+// Wide CTAs for dense topk rows (tsi_wide): 0 = never (the default until measured on the H200, NOTES.md), 1 = auto
+// (streamed rows, width > smem_keys, when the rows would otherwise run one CTA of TSI_THREADS per SM: rows < 2 x
+// SMs), 2 = every dense topk launch that does not take the cluster kernel (tests). See tsi_topk_set_wide_mode.
+int g_wide_mode = 0;
+
+template <typename T> struct WideElem { using type = T; };
+template <> struct WideElem<tsi::bf16_tag> { using type = tsi_wide::bf16_tag; };
+
+template <typename T>
+cudaError_t launch_dense(const Params& p, cudaStream_t stream) {
+  if (p.rows <= 0) return cudaSuccess;
+  int dev;
+  if (cudaError_t e = current_device(&dev); e != cudaSuccess) return e;
+  const bool wide = g_wide_mode == 2 || (g_wide_mode == 1 && p.width > tsi::SMEM_KEYS && p.rows < 2 * sm_count(dev));
+  if (!wide) return launch<tsi::DenseSrc<T>>(p, stream);
+  using Src = tsi_wide::DenseSrc<typename WideElem<T>::type>;
+  return launch_rows<tsi_wide::topk_kernel<Src, 1>, tsi_wide::THREADS, (int)sizeof(tsi_wide::Smem)>(p, stream, dev);
 }
 
 // Cluster mode for dense rows (topk_cluster_kernel): 0 = never, 1 = auto (default), 2 = for every width it
@@ -163,8 +208,8 @@ int tsi_topk_cand_cap() { return tsi::CAND_CAP; }
 int tsi_topk_phase_cycles(unsigned long long* out) {
 #if defined(TSI_PHASE_TIMING) && !defined(TSI_EMULATE)
   static const unsigned long long zero[32] = {};
-  const cudaError_t e = cudaMemcpyFromSymbol(out, tsi::g_phase, sizeof(tsi::g_phase));
-  return (int)(e != cudaSuccess ? e : cudaMemcpyToSymbol(tsi::g_phase, zero, sizeof(zero)));
+  const cudaError_t e = cudaMemcpyFromSymbol(out, tsi_phase::g_phase, sizeof(tsi_phase::g_phase));
+  return (int)(e != cudaSuccess ? e : cudaMemcpyToSymbol(tsi_phase::g_phase, zero, sizeof(zero)));
 #else
   (void)out;
   return -1;
@@ -176,10 +221,10 @@ int tsi_topk_phase_cycles(unsigned long long* out) {
 // in other builds.
 int tsi_topk_phase_spans(unsigned long long* out, int n) {
 #if defined(TSI_PHASE_TIMING) && !defined(TSI_EMULATE)
-  if (n < 0 || n > tsi::SPAN_BLOCKS) return (int)cudaErrorInvalidValue;
-  static unsigned long long zero[2 * tsi::SPAN_BLOCKS] = {};
-  const cudaError_t e = cudaMemcpyFromSymbol(out, tsi::g_span, sizeof(unsigned long long) * 2 * n);
-  return (int)(e != cudaSuccess ? e : cudaMemcpyToSymbol(tsi::g_span, zero, sizeof(zero)));
+  if (n < 0 || n > tsi_phase::SPAN_BLOCKS) return (int)cudaErrorInvalidValue;
+  static unsigned long long zero[2 * tsi_phase::SPAN_BLOCKS] = {};
+  const cudaError_t e = cudaMemcpyFromSymbol(out, tsi_phase::g_span, sizeof(unsigned long long) * 2 * n);
+  return (int)(e != cudaSuccess ? e : cudaMemcpyToSymbol(tsi_phase::g_span, zero, sizeof(zero)));
 #else
   (void)out;
   (void)n;
@@ -198,18 +243,14 @@ int tsi_topk(const void* logits, long long row_stride, int rows, int width, int 
   const Params p = row_params(logits, row_stride, rows, width, lengths, out, k);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (rows > 0 && g_cluster_mode != 0 && width > tsi::SMEM_KEYS) {
-    int dev = 0;
-#ifndef TSI_EMULATE
-    const cudaError_t e = cudaGetDevice(&dev);
-    if (e != cudaSuccess) return e;
-    if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
-#endif
+    int dev;
+    if (cudaError_t e = current_device(&dev); e != cudaSuccess) return e;
     int C, S;
     cluster_shape(rows, width, dev, &C, &S);
     if (C > 0)
       return dtype == 0 ? launch_cluster<float>(p, s, dev, C, S) : launch_cluster<tsi::bf16_tag>(p, s, dev, C, S);
   }
-  return dtype == 0 ? launch<tsi::DenseSrc<float>>(p, s) : launch<tsi::DenseSrc<tsi::bf16_tag>>(p, s);
+  return dtype == 0 ? launch_dense<float>(p, s) : launch_dense<tsi::bf16_tag>(p, s);
 }
 
 // Cluster mode of tsi_topk (dense rows of smem_keys < width <= cluster_max * smem_keys columns, one
@@ -222,6 +263,17 @@ int tsi_topk_set_cluster_mode(int mode) {
   return prev;
 }
 int tsi_topk_cluster_max() { return tsi::CLUSTER_MAX; }
+
+// Wide-CTA mode of tsi_topk (dense rows that do not take the cluster kernel; one CTA of tsi_topk_wide_threads()
+// threads per row instead of TSI_THREADS): 0 = off (the default), 1 = auto (rows longer than smem_keys when
+// fewer than 2 x SMs rows: decode batches), 2 = always. Results are identical in every mode. Returns the previous
+// mode; a value outside 0..2 only queries. For benchmarks and tests; not thread-safe against launches.
+int tsi_topk_set_wide_mode(int mode) {
+  const int prev = g_wide_mode;
+  if (mode >= 0 && mode <= 2) g_wide_mode = mode;
+  return prev;
+}
+int tsi_topk_wide_threads() { return tsi_wide::THREADS; }
 
 // Streamed rows (more than smem_keys elements, one CTA per row): 1 = try the sampled threshold first (the
 // default: one read of the row when the sample's threshold buffers between k and cand_cap elements, else

@@ -21,7 +21,13 @@
 //    from the width): a cluster of CTAs splits the row into shared-memory slices (topk_cluster_kernel).
 // Ties at the threshold key go to the lowest indices through block-wide prefix counts in index order
 // or bitmaps over the row (never through atomics order), so results are bitwise reproducible.
-#pragma once
+//
+// The kernels are written for one CTA size and set of tuning constants (the TSI_* macros below) in namespace
+// TSI_NS (default tsi). topk.cu includes this file a second time with other values in another namespace
+// (tsi_wide: CTAs of TSI_WIDE_THREADS threads for decode batches), so everything from the namespace on is
+// included once per instantiation, and the prelude up to it once.
+#ifndef TSI_TOPK_PRELUDE
+#define TSI_TOPK_PRELUDE
 
 #ifdef TSI_EMULATE
 #include "emu/cuda_emu.h"
@@ -40,6 +46,65 @@ __device__ __forceinline__ T* tsi_cluster_map(T* p, unsigned rank) {
 }
 #endif
 
+// Phase timing for development (-DTSI_PHASE_TIMING builds only): thread 0 of block 0 records clock64() at
+// numbered points of its row; tsi_topk_phase_cycles() reads them back. Compiled out otherwise.
+// TSI_SPAN (once at the top of a kernel): thread 0 of blocks < SPAN_BLOCKS records %globaltimer at its start
+// and its end in g_span, for the spread of CTA start and end times (tsi_topk_phase_spans()).
+#if defined(TSI_PHASE_TIMING) && !defined(TSI_EMULATE)
+namespace tsi_phase {  // shared by every instantiation of the kernels
+__device__ unsigned long long g_phase[32];
+constexpr int SPAN_BLOCKS = 4096;
+__device__ unsigned long long g_span[2 * SPAN_BLOCKS];
+#define TSI_MARK(i)                                                                 \
+  do {                                                                              \
+    if (blockIdx.x == 0 && threadIdx.x == 0) ::tsi_phase::g_phase[(i)] = clock64(); \
+  } while (0)
+__device__ __forceinline__ unsigned long long tsi_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+struct SpanGuard {
+  __device__ SpanGuard() {
+    if (threadIdx.x == 0 && blockIdx.x < SPAN_BLOCKS) g_span[2 * blockIdx.x] = tsi_globaltimer();
+  }
+  __device__ ~SpanGuard() {
+    if (threadIdx.x == 0 && blockIdx.x < SPAN_BLOCKS) g_span[2 * blockIdx.x + 1] = tsi_globaltimer();
+  }
+};
+}  // namespace tsi_phase
+#define TSI_SPAN ::tsi_phase::SpanGuard tsi_span_guard_
+#else
+#define TSI_MARK(i) \
+  do {              \
+  } while (0)
+#define TSI_SPAN \
+  do {           \
+  } while (0)
+#endif
+
+namespace tsi_common {
+struct Params {
+  const void* logits;
+  long long row_stride;  // elements
+  int rows;
+  int width;             // columns
+  const int* lengths;
+  const int* blocks;     // sparse: candidate block ids [rows, nblk]
+  int nblk;
+  int cbs;
+  int lcbs;              // log2(cbs)
+  int* out;              // [rows, kk]
+  int kk;                // k (topk, sparse_topk) or number of output blocks (block_topk)
+  int sampled;           // 1: streamed rows try the sampled threshold first (see sampled_mode)
+};
+}  // namespace tsi_common
+
+#endif  // TSI_TOPK_PRELUDE
+
+#ifndef TSI_NS
+#define TSI_NS tsi
+#endif
 #ifndef TSI_THREADS
 #define TSI_THREADS 512
 #endif
@@ -62,42 +127,7 @@ __device__ __forceinline__ T* tsi_cluster_map(T* p, unsigned rank) {
 #define TSI_UB2 4
 #endif
 
-namespace tsi {
-
-// Phase timing for development (-DTSI_PHASE_TIMING builds only): thread 0 of block 0 records clock64() at
-// numbered points of its row; tsi_topk_phase_cycles() reads them back. Compiled out otherwise.
-// TSI_SPAN (once at the top of a kernel): thread 0 of blocks < SPAN_BLOCKS records %globaltimer at its start
-// and its end in g_span, for the spread of CTA start and end times (tsi_topk_phase_spans()).
-#if defined(TSI_PHASE_TIMING) && !defined(TSI_EMULATE)
-__device__ unsigned long long g_phase[32];
-constexpr int SPAN_BLOCKS = 4096;
-__device__ unsigned long long g_span[2 * SPAN_BLOCKS];
-#define TSI_MARK(i)                                                        \
-  do {                                                                     \
-    if (blockIdx.x == 0 && threadIdx.x == 0) g_phase[(i)] = clock64();     \
-  } while (0)
-__device__ __forceinline__ unsigned long long tsi_globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-struct SpanGuard {
-  __device__ SpanGuard() {
-    if (threadIdx.x == 0 && blockIdx.x < SPAN_BLOCKS) g_span[2 * blockIdx.x] = tsi_globaltimer();
-  }
-  __device__ ~SpanGuard() {
-    if (threadIdx.x == 0 && blockIdx.x < SPAN_BLOCKS) g_span[2 * blockIdx.x + 1] = tsi_globaltimer();
-  }
-};
-#define TSI_SPAN SpanGuard tsi_span_guard_
-#else
-#define TSI_MARK(i) \
-  do {              \
-  } while (0)
-#define TSI_SPAN \
-  do {           \
-  } while (0)
-#endif
+namespace TSI_NS {
 
 constexpr int THREADS = TSI_THREADS;
 constexpr int NWARPS = THREADS / 32;
@@ -115,20 +145,7 @@ static_assert(SMEM_KEYS % 32 == 0 && CAND_CAP % 16 == 0, "16-byte aligned shared
 
 enum Kind { DENSE = 0, SPARSE = 1, BLOCK = 2 };
 
-struct Params {
-  const void* logits;
-  long long row_stride;  // elements
-  int rows;
-  int width;             // columns
-  const int* lengths;
-  const int* blocks;     // sparse: candidate block ids [rows, nblk]
-  int nblk;
-  int cbs;
-  int lcbs;              // log2(cbs)
-  int* out;              // [rows, kk]
-  int kk;                // k (topk, sparse_topk) or number of output blocks (block_topk)
-  int sampled;           // 1: streamed rows try the sampled threshold first (see sampled_mode)
-};
+using Params = ::tsi_common::Params;
 
 struct Smem {
   uint32_t hist[NBINS + 32];  // the digit histogram, then one sink word per lane (hist_inc)
@@ -1539,7 +1556,9 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
 template <class Src>
 struct Sample {
   static constexpr int KEYS = CAND_CAP / 2;  // sample keys at most
-  static constexpr int ITEMS = KEYS / Src::E < THREADS ? KEYS / Src::E : THREADS;  // sampled items per tile
+  // Sampled items per tile: at most 512, so that wider CTAs (TSI_THREADS=1024) still sample two spread tiles
+  static constexpr int WIDE = THREADS < 512 ? THREADS : 512;
+  static constexpr int ITEMS = KEYS / Src::E < WIDE ? KEYS / Src::E : WIDE;
   static constexpr int TILES = KEYS / (ITEMS * Src::E) > 0 ? KEYS / (ITEMS * Src::E) : 1;
   static_assert(TILES * ITEMS * Src::E <= CAND_CAP, "the sample fits the key buffer");
 };
@@ -1990,4 +2009,4 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
   if (Src::KIND == SPARSE) sort_positions_if_unordered(sm, out, kk);
 }
 
-}  // namespace tsi
+}  // namespace TSI_NS

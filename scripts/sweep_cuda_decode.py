@@ -1,7 +1,8 @@
 """CUDA decode scoring kernels on the GPU (development): a check against the reference at a small shape, then
-CUDA (each prefetch depth, and each library build given on the command line, e.g. a ``-DTSI_SCORING_MIN_BLOCKS=5``
-variant) vs Triton at the decode target shapes (128 rows, context 128K, page 64; sparse: 2048 candidate blocks of
-8), in one process on the same inputs, outputs compared bitwise with the default build's. CSV to
+CUDA (each prefetch depth of the default build, and each library build given on the command line, e.g. a
+``-DTSI_SCORING_MIN_BLOCKS=5`` variant) vs Triton at the decode target shapes (128 rows, context 128K, page 64; sparse: 2048 candidate blocks of
+8), in one process on the same inputs, outputs compared bitwise with the default build's (the ablation builds of
+``benchmarks/variants/scoring/ablate_*.flags`` differ on purpose), with each build's CTAs per SM. CSV to
 ``$OUT/cuda_decode.csv``.
     python3 scripts/sweep_cuda_decode.py [variant.so ...]"""
 import csv
@@ -63,12 +64,12 @@ for fmt in ("fp8", "mxfp4"):
         ft()
         torch.cuda.synchronize()
         rows.append(dict(op=kind, fmt=fmt, impl="triton", time_us=common.time_us(ft, graph=True, rep_ms=200),
-                         floor_us=nbytes / 4.27e6, check=""))
+                         floor_us=nbytes / 4.27e6, check="", ctas_per_sm=""))
         print(rows[-1], flush=True)
         base = None
         for name, lib in libs:
             cs._LIB = lib
-            for depth in (0, 3, 4, 6):
+            for depth in (0, 3, 4, 6) if name == "default" else (0,):  # other builds: their default depth
                 cs.set_depth(depth)
                 fc()
                 torch.cuda.synchronize()
@@ -77,9 +78,10 @@ for fmt in ("fp8", "mxfp4"):
                     check = f"diff_vs_triton={testing.calc_diff(o_c, o_t):.2e}"
                 else:
                     check = f"bitwise_same={bool(torch.equal(o_c, base))}"
+                ctas = lib.lib.tsi_scoring_ctas_per_sm(128, int(fmt == "mxfp4"), 64, int(kind == "sparse"))
                 rows.append(dict(op=kind, fmt=fmt, impl=f"cuda {name} depth{depth}",
                                  time_us=common.time_us(fc, graph=True, rep_ms=200), floor_us=nbytes / 4.27e6,
-                                 check=check))
+                                 check=check, ctas_per_sm=ctas))
                 print(rows[-1], flush=True)
             cs.set_depth(0)
         cs._LIB = libs[0][1]

@@ -3,7 +3,7 @@
 Covers every path the kernels choose per row (shared-memory rows, streamed rows with a buffered threshold
 bin, streamed rows whose threshold bin overflows the buffer and is rescanned, rows split over a cluster of
 CTAs, each cluster-width case also forced onto the one-CTA path; streamed rows with and without the sampled
-threshold), ties, NaN / -inf rows,
+threshold; dense rows on the wide-CTA kernels), ties, NaN / -inf rows,
 out-of-range lengths, padded and misaligned rows, bitwise repeatability and CUDA-graph replay. The shapes
 aim at each path through the thresholds the library exports (``cuda_topk.tuning()``).
 
@@ -261,6 +261,58 @@ def test_topk_unrepresentative_sample(dtype, skew, W, gen, sampled):
     for k in sorted(ks | {1, min(512, MAXK), min(2048, MAXK), MAXK}):
         a, b = _run_topk(x.to(dtype).to(DEV), lens.to(DEV), k)
         _assert_same(a, b, f"unrepresentative sample {skew} {dtype} k={k}")
+
+
+@pytest.fixture
+def wide_always():
+    """Every dense topk launch on the wide-CTA kernel (cluster-width rows too: the cluster kernel off)."""
+    prev, prev_c = ct.set_wide_mode("always"), ct.set_cluster_mode("off")
+    yield
+    ct.set_wide_mode(prev)
+    ct.set_cluster_mode(prev_c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("W", WIDTHS + [W_BITMAP + 1])
+def test_topk_wide(dtype, W, gen, sampled, wide_always):
+    """The wide-CTA instantiation (tuning()["wide_threads"] threads per row; decode batches in "auto" mode) on
+    every row path: shared-memory rows, streamed rows sampled (buffered in any order up to W_BITMAP, ordered
+    past it) and two-pass."""
+    for k in sorted({1, 7, min(2048, MAXK), MAXK}):
+        lens = _lengths(W, k, gen).to(DEV)
+        x = torch.randn(lens.shape[0], W, generator=gen).to(dtype).to(DEV)
+        a, b = _run_topk(x, lens, k)
+        _assert_same(a, b, f"wide topk {dtype} W={W} k={k}")
+
+
+@pytest.mark.parametrize("pattern", ["threshold_ties", "few_values", "one_bin", "specials", "nan_neginf", "ascending",
+                                     "log_uniform"])
+@pytest.mark.parametrize("W", [W_SMEM, W_BITMAP, W_STREAM])
+def test_topk_wide_patterns(pattern, W, gen, sampled, wide_always):
+    for k in sorted({1, min(100, MAXK), min(2048, MAXK), MAXK}):
+        lens = _lengths(W, k, gen, extra_rows=1).to(DEV)
+        x = _pattern(pattern, lens.shape[0], W, gen).to(DEV)
+        a, b = _run_topk(x, lens, k)
+        _assert_same(a, b, f"wide topk {pattern} W={W} k={k}")
+
+
+def test_topk_wide_mode(gen):
+    """"auto" takes the wide kernel for streamed rows of small batches only; every mode gives the same bits."""
+    with pytest.raises(ValueError, match="mode"):
+        ct.set_wide_mode("on")
+    W, k = W_STREAM, min(2048, MAXK)
+    x = torch.randn(3, W, generator=gen).to(DEV)
+    lens = torch.tensor([W, W - 11, W // 2], dtype=torch.int32, device=DEV)
+    prev = ct.set_wide_mode("off")
+    try:
+        outs = {}
+        for mode in ct.WIDE_MODES:
+            assert ct.set_wide_mode(mode) in ct.WIDE_MODES
+            outs[mode], ref = _run_topk(x, lens, k)
+            _assert_same(outs[mode], ref, f"wide mode {mode}")
+        testing.assert_bitwise_equal(outs["auto"], outs["off"])
+    finally:
+        ct.set_wide_mode(prev)
 
 
 def test_topk_empty_and_tiny(gen):

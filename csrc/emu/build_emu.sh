@@ -7,6 +7,6 @@ here="$(cd "$(dirname "$0")/.." && pwd)"
 out="${1:-/tmp/libsparse_indexer_topk_emu.so}"
 shift || true
 g++ -std=c++20 -O1 -pthread -shared -fPIC -x c++ -DTSI_EMULATE \
-  -DTSI_THREADS="${TSI_THREADS:-128}" -DTSI_CAND_CAP="${TSI_CAND_CAP:-512}" -DTSI_LIST_CAP="${TSI_LIST_CAP:-256}" \
+  -DTSI_THREADS="${TSI_THREADS:-128}" -DTSI_WIDE_THREADS="${TSI_WIDE_THREADS:-256}" -DTSI_CAND_CAP="${TSI_CAND_CAP:-512}" -DTSI_LIST_CAP="${TSI_LIST_CAP:-256}" \
   "$@" "$here/${CSRC:-topk.cu}" -o "$out"
 echo "$out"

@@ -36,9 +36,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tsi_block_topk.argtypes = [vp, ll, i32, i32, i32, vp, i32, vp, i32, up]
     for f in (lib.tsi_topk, lib.tsi_sparse_topk, lib.tsi_block_topk, lib.tsi_topk_version, lib.tsi_topk_max_k,
               lib.tsi_topk_smem_keys, lib.tsi_topk_cand_cap, lib.tsi_topk_cluster_max, lib.tsi_topk_set_cluster_mode,
-              lib.tsi_topk_set_sampled):
+              lib.tsi_topk_set_sampled, lib.tsi_topk_set_wide_mode, lib.tsi_topk_wide_threads):
         f.restype = ctypes.c_int
     lib.tsi_topk_set_cluster_mode.argtypes = [i32]
+    lib.tsi_topk_set_wide_mode.argtypes = [i32]
     lib.tsi_topk_set_sampled.argtypes = [i32]
     lib.tsi_topk_error_string.argtypes = [ctypes.c_int]
     lib.tsi_topk_error_string.restype = ctypes.c_char_p
@@ -70,11 +71,13 @@ def max_k() -> int:
 def tuning() -> dict:
     """The library's path thresholds: ``smem_keys`` (rows selected in shared memory), ``cand_cap`` and
     ``cluster_max`` (``topk`` rows of ``smem_keys < width <= cluster_max * smem_keys`` columns are split over
-    a cluster of CTAs, each holding one slice in shared memory)."""
+    a cluster of CTAs, each holding one slice in shared memory), ``wide_threads`` (the CTA size of the wide
+    mode, :func:`set_wide_mode`)."""
     if not available():
         return {}
     return {"smem_keys": int(_LIB.lib.tsi_topk_smem_keys()), "cand_cap": int(_LIB.lib.tsi_topk_cand_cap()),
-            "cluster_max": int(_LIB.lib.tsi_topk_cluster_max())}
+            "cluster_max": int(_LIB.lib.tsi_topk_cluster_max()),
+            "wide_threads": int(_LIB.lib.tsi_topk_wide_threads())}
 
 
 CLUSTER_MODES = ("off", "auto", "always")
@@ -90,6 +93,22 @@ def set_cluster_mode(mode: str) -> str:
     if not available():
         return "auto"
     return CLUSTER_MODES[_LIB.lib.tsi_topk_set_cluster_mode(CLUSTER_MODES.index(mode))]
+
+
+WIDE_MODES = ("off", "auto", "always")
+
+
+def set_wide_mode(mode: str) -> str:
+    """Whether dense ``topk`` rows that do not take the cluster kernel run one CTA of ``tuning()["wide_threads"]``
+    threads per row instead of 512: ``"off"`` (the default until the H200 shows a gain), ``"auto"`` (rows longer
+    than ``smem_keys`` when there are fewer than 2 x SMs rows: decode batches, whose rows otherwise stream with 16
+    warps per SM) or ``"always"``. Results are identical in every mode. Returns the previous mode. For
+    benchmarks and tests that compare the paths."""
+    if mode not in WIDE_MODES:
+        raise ValueError(f"mode: expected one of {WIDE_MODES}, got {mode!r}")
+    if not available():
+        return "off"
+    return WIDE_MODES[_LIB.lib.tsi_topk_set_wide_mode(WIDE_MODES.index(mode))]
 
 
 def set_sampled(on: bool) -> bool:
