@@ -83,6 +83,16 @@ struct SpanGuard {
   } while (0)
 #endif
 
+// Development truncation for benchmarks (benchmarks/variants/truncate_*.flags; the output is wrong):
+// -DTSI_TOPK_STOP=n ends every row after its phase n, so that such a build's time against the default build's is
+// what the later phases cost at the shape's occupancy (with two CTAs per SM, phase timing of one CTA cannot
+// say). Shared-memory rows: 1 after the load and its histogram, 2 after the threshold (the bitmap path's sweep,
+// refinement and marks). Sampled rows: 1 after the sample's threshold, 2 after the pass, 3 after the exact
+// threshold. 0 (the default) compiles none of it.
+#ifndef TSI_TOPK_STOP
+#define TSI_TOPK_STOP 0
+#endif
+
 namespace tsi_common {
 struct Params {
   const void* logits;
@@ -1493,6 +1503,7 @@ __device__ void smem_bitmap_select(Smem& sm, const uint32_t* K, int m, uint32_t 
       resolve(sm, 11, B, need, [&](int L, uint32_t P) { smem_hist(sm, BK, (int)c, L, P); }, false, BK, (int)c, &mk);
   TSI_MARK(13);
   if (!t.marked) mark_selected(G, Q, BK, BI, (int)c, t);
+  if constexpr (TSI_TOPK_STOP == 2) return;
   bitmap_emit<1>(sm, G, Q, W, t.need_eq, emit);
 }
 
@@ -1505,6 +1516,7 @@ __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   TSI_MARK(10);
   keys_to_smem<U>(sm, src, K);
   TSI_MARK(11);
+  if constexpr (TSI_TOPK_STOP == 1) return;
   find_bin<NBINS>(sm, (uint32_t)kk);
   TSI_MARK(12);
   const uint32_t total = sm.ctl[3];
@@ -1512,6 +1524,7 @@ __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   if (total > (uint32_t)kk && sm.ctl[2] <= (uint32_t)BIN_CAP) {
     smem_bitmap_select(sm, K, m, (uint32_t)kk, [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
     TSI_MARK(15);
+    if constexpr (TSI_TOPK_STOP == 2) return;
     write_staged(sm, src, stage, r, out, kk);
     TSI_MARK(14);
     return;
@@ -1707,6 +1720,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   if (j > sv) return false;
   const uint32_t tau = sample_tau(sm, candK, sv, (uint32_t)j);
   TSI_MARK(25);
+  if constexpr (TSI_TOPK_STOP == 1) return true;
   // Dense rows and a positive threshold (the common case): the cheap bit test of DenseSrc::pos_mask, keys
   // computed only for the elements that pass (a loop over the set bits: about 3% of them). Other rows and
   // thresholds: keys computed for every element, as in stream_mode. (Buffering positions only and reading
@@ -1736,6 +1750,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   if ((threadIdx.x & 31) == 0 && mx != 0u) atomicMax(&sm.ctl[6], mx);
   __syncthreads();
   TSI_MARK(3);
+  if constexpr (TSI_TOPK_STOP == 2) return true;
   const uint32_t cnt = bitmap ? sm.ctl[4] : run;
   if (cnt < (uint32_t)kk || cnt > (uint32_t)CAND_CAP) return false;
   const int c = (int)cnt;
@@ -1746,6 +1761,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   const Thresh t = buffer_resolve(sm, candK, c, tau, sm.ctl[6], (uint32_t)kk, bitmap ? &mk : nullptr);
   __syncthreads();
   TSI_MARK(4);
+  if constexpr (TSI_TOPK_STOP == 3) return true;
   if (bitmap) {
     if (!t.marked) mark_selected(G, Q, candK, candI, c, t);
     TSI_MARK(5);
