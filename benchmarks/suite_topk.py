@@ -179,7 +179,9 @@ def _topk_case(R, W, k, dtype, gen, pattern=None):
     if W > t["smem_keys"]:
         alts.append(("cuda two-pass", "off", False, "off"))
     if W > t["smem_keys"] and R < 2 * torch.cuda.get_device_properties(DEV).multi_processor_count:
-        alts.append((f"cuda wide ({t['wide_threads']} threads)", "auto", True, "auto"))
+        # the default ("auto") takes the wide CTAs for at most SMs / 2 rows: both CTA sizes on every decode batch
+        alts += [("cuda 512 threads", "auto", True, "off"),
+                 (f"cuda {t['wide_threads']} threads", "auto", True, "always")]
     cuda = rows[0]
     if pattern is None:  # target shapes too: the public baseline is part of what the issue asks to report
         rows += _flashinfer_rows(x, lens, k, shape, cuda, expected)

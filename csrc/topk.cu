@@ -6,9 +6,9 @@
 
 #include "topk_kernels.cuh"  // namespace tsi: CTAs of TSI_THREADS (512) threads
 
-// The same kernels for CTAs of TSI_WIDE_THREADS threads (namespace tsi_wide), for dense rows when few rows leave
-// the SMs one CTA each (see g_wide_mode): twice the warps per SM in the streamed pass, each thread with the
-// two-CTA kernel's registers and tiles per batch. (Emulation builds pass a smaller TSI_WIDE_THREADS.)
+// The same kernels for CTAs of TSI_WIDE_THREADS threads (namespace tsi_wide), for streamed dense rows of small
+// batches (see g_wide_mode): twice the warps per SM in the pass, each thread with the two-CTA kernel's registers
+// and tiles per batch. (Emulation builds pass a smaller TSI_WIDE_THREADS.)
 #ifndef TSI_WIDE_THREADS
 #define TSI_WIDE_THREADS 1024
 #endif
@@ -96,10 +96,11 @@ cudaError_t launch(const Params& p, cudaStream_t stream) {
   return launch_variant<Src, 1>(p, stream, dev);
 }
 
-// Wide CTAs for dense topk rows (tsi_wide): 0 = never (the default until measured on the H200, NOTES.md), 1 = auto
-// (streamed rows, width > smem_keys, when the rows would otherwise run one CTA of TSI_THREADS per SM: rows < 2 x
-// SMs), 2 = every dense topk launch that does not take the cluster kernel (tests). See tsi_topk_set_wide_mode.
-int g_wide_mode = 0;
+// Wide CTAs for dense topk rows (tsi_wide): 0 = never, 1 = auto (the default: streamed rows, width > smem_keys,
+// in batches of at most SMs / 2 rows), 2 = every dense topk launch that does not take the cluster kernel (tests).
+// Measured on the H200 (NOTES.md, session 16, run 91): 32 and 64 x 128K rows 7% and 6% faster, 64 x 1M 2%, but
+// 128 x 128K within +-0.8 us either way (k 512-2048): where every SM has a row, 32 warps do not stream it faster.
+int g_wide_mode = 1;
 
 template <typename T> struct WideElem { using type = T; };
 template <> struct WideElem<tsi::bf16_tag> { using type = tsi_wide::bf16_tag; };
@@ -109,7 +110,7 @@ cudaError_t launch_dense(const Params& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;
   int dev;
   if (cudaError_t e = current_device(&dev); e != cudaSuccess) return e;
-  const bool wide = g_wide_mode == 2 || (g_wide_mode == 1 && p.width > tsi::SMEM_KEYS && p.rows < 2 * sm_count(dev));
+  const bool wide = g_wide_mode == 2 || (g_wide_mode == 1 && p.width > tsi::SMEM_KEYS && 2 * p.rows <= sm_count(dev));
   if (!wide) return launch<tsi::DenseSrc<T>>(p, stream);
   using Src = tsi_wide::DenseSrc<typename WideElem<T>::type>;
   return launch_rows<tsi_wide::topk_kernel<Src, 1>, tsi_wide::THREADS, (int)sizeof(tsi_wide::Smem)>(p, stream, dev);
@@ -265,8 +266,8 @@ int tsi_topk_set_cluster_mode(int mode) {
 int tsi_topk_cluster_max() { return tsi::CLUSTER_MAX; }
 
 // Wide-CTA mode of tsi_topk (dense rows that do not take the cluster kernel; one CTA of tsi_topk_wide_threads()
-// threads per row instead of TSI_THREADS): 0 = off (the default), 1 = auto (rows longer than smem_keys when
-// fewer than 2 x SMs rows: decode batches), 2 = always. Results are identical in every mode. Returns the previous
+// threads per row instead of TSI_THREADS): 0 = off, 1 = auto (the default: rows longer than smem_keys in batches
+// of at most SMs / 2 rows), 2 = always. Results are identical in every mode. Returns the previous
 // mode; a value outside 0..2 only queries. For benchmarks and tests; not thread-safe against launches.
 int tsi_topk_set_wide_mode(int mode) {
   const int prev = g_wide_mode;

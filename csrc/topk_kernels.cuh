@@ -1240,10 +1240,10 @@ __device__ __forceinline__ void cp_async_wait() {
 // every chunk of 4 scores inside the row is copied straight into its key slot by cp.async, the whole row at once
 // (64 KB in flight per CTA instead of two 16-byte tiles per thread through registers: the streamed load was bound
 // by bytes in flight, 5.7 us per row with two CTAs per SM, NOTES.md), in four commit groups; each thread converts
-// its own chunks in place (raw bits to keys; sparse rows: their columns' validity) and counts them as its groups
-// land, so no barrier separates a copy from its conversion. A sparse row's candidate block ids go first, by
-// cp.async as well, into its table of valid prefixes: global loads of them before the copies would delay the row
-// by a DRAM latency, and after the copies they would wait behind the whole row (NOTES.md, run 37).
+// its own chunks in place (raw bits to keys) and counts them as its groups land, so no barrier separates a copy
+// from its conversion; a sparse row then takes its invalid columns out again. A sparse row's candidate block ids
+// go first, by cp.async as well, into its table of valid prefixes: global loads of them before the copies would
+// delay the row by a DRAM latency, and after the copies they would wait behind the whole row (NOTES.md, run 37).
 template <class Src>
 __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   static_assert(Src::E == 4, "fp32 chunks");
@@ -1289,38 +1289,55 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
       hist_keys<4>(sm, key, 0, 0u);
     }
   }
+  // Chunk u of this thread (c = u * THREADS + tid) sits u * THREADS groups after its first: THREADS is a multiple
+  // of 64, so the swizzle is the same for all of them. Threads whose chunks all lie inside the row (all but the
+  // last few) convert them without a bounds test, so the conversion is straight-line code.
+  static_assert(THREADS % 64 == 0, "one swizzle per thread");
+  uint4* const q0 = reinterpret_cast<uint4*>(K + 4 * kgroup(tid));
+  auto convert = [&](bool check) {
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (g == 0) cp_async_wait<G - 1>();
-    else if (g == 1) cp_async_wait<(G > 1 ? G - 2 : 0)>();
-    else if (g == 2) cp_async_wait<(G > 2 ? G - 3 : 0)>();
-    else cp_async_wait<0>();
+    for (int g = 0; g < G; ++g) {
+      if (g == 0) cp_async_wait<G - 1>();
+      else if (g == 1) cp_async_wait<(G > 1 ? G - 2 : 0)>();
+      else if (g == 2) cp_async_wait<(G > 2 ? G - 3 : 0)>();
+      else cp_async_wait<0>();
 #pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int c = (g * PER + j) * THREADS + tid;
-      if (c < nfull) {
-        uint4* q = reinterpret_cast<uint4*>(K + 4 * kgroup(c));
-        uint4 v = *q;
-        if constexpr (Src::KIND == DENSE) {  // every column is an element: no validity, no sink
+      for (int j = 0; j < PER; ++j) {
+        const int u = g * PER + j;
+        if (!check || u * THREADS + tid < nfull) {
+          uint4* q = q0 + u * THREADS;
+          uint4 v = *q;
+          // Every column as an element (a sparse row's invalid ones are taken out below, after the barrier).
           v.x = f32_key(v.x); v.y = f32_key(v.y); v.z = f32_key(v.z); v.w = f32_key(v.w);
           *q = v;
           atomicAdd(&sm.hist[v.x >> 21], 1u);
           atomicAdd(&sm.hist[v.y >> 21], 1u);
           atomicAdd(&sm.hist[v.z >> 21], 1u);
           atomicAdd(&sm.hist[v.w >> 21], 1u);
-        } else {  // columns [4c, 4c + 4) lie in one candidate block (cbs >= 8, checked by tsi_sparse_topk): nv of
-                  // them are valid
-          const int nv = src.tv[(4 * c) >> src.lcbs] - ((4 * c) & (src.cbs - 1));
-          const uint32_t key[4] = {nv > 0 ? f32_key(v.x) : 0u, nv > 1 ? f32_key(v.y) : 0u,
-                                   nv > 2 ? f32_key(v.z) : 0u, nv > 3 ? f32_key(v.w) : 0u};
-          *q = make_uint4(key[0], key[1], key[2], key[3]);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) hist_inc(sm, key[j] >> 21, nv > j);
         }
       }
     }
-  }
+  };
+  if ((NU - 1) * THREADS + tid < nfull) convert(false);
+  else convert(true);
   __syncthreads();
+  if constexpr (Src::KIND == SPARSE) {
+    // The copied columns of candidate blocks that are not wholly valid (-1 ids, the block the row's length cuts)
+    // become "no element" and leave the histogram: a pass over the row's block table instead of a validity test
+    // per chunk (most rows have no such column, or a few). The partial last chunk (thread 0) is already exact.
+    const int ncopied = 4 * nfull;
+    for (int b = tid; b < src.nb; b += THREADS) {
+      const int v = src.tv[b];
+      if (v < src.cbs) {
+        const int end = (b + 1) << src.lcbs < ncopied ? (b + 1) << src.lcbs : ncopied;
+        for (int i = (b << src.lcbs) + v; i < end; ++i) {
+          atomicAdd(&sm.hist[K[kslot(i)] >> 21], 0xffffffffu);  // (minus one)
+          K[kslot(i)] = 0u;
+        }
+      }
+    }
+    __syncthreads();
+  }
 }
 
 // Sparse fp32 rows through keys_to_smem_async (on by default since run 37, NOTES.md; -DTSI_SPARSE_ASYNC=0 builds
@@ -1473,16 +1490,24 @@ __device__ void smem_bitmap_select(Smem& sm, const uint32_t* K, int m, uint32_t 
   const int tid = (int)threadIdx.x;
   uint32_t gw = 0u, bm = 0u;
   if (tid < W) {
+    // Both bitmaps as "greater than" tests, each over all 32 keys in its own loop: ptxas then packs the
+    // predicates seven at a time (P2R) for most of them; interleaved, and with the bin's test written as "<=",
+    // it spent a select and an OR per key (~40 more instructions per thread). The bin's keys are the complement
+    // of those outside it.
+    uint32_t outside = 0u, key[32];
 #pragma unroll
     for (int q = 0; q < 8; ++q) {
       const uint4 v = *reinterpret_cast<const uint4*>(K + 4 * kgroup(8 * tid + q));
-      const uint32_t key[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        gw |= (uint32_t)(key[j] > hi) << (4 * q + j);
-        bm |= (uint32_t)(key[j] - lo1 <= hi - lo1) << (4 * q + j);
-      }
+      key[4 * q] = v.x;
+      key[4 * q + 1] = v.y;
+      key[4 * q + 2] = v.z;
+      key[4 * q + 3] = v.w;
     }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) gw |= (uint32_t)(key[j] > hi) << j;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) outside |= (uint32_t)(key[j] - lo1 > hi - lo1) << j;
+    bm = ~outside;
     G[tid] = gw;
     Q[tid] = 0u;
   }

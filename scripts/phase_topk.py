@@ -6,9 +6,9 @@ Prints, per shape, the cycles between the recorded points (sampled mode: 0 start
 14 output written (sparse_topk rows: positions from the candidate ids and the order check); inside phases: 20 buffer
 histogram, 21 its bin, 22 warp_select's gather, 23-25 sample_tau's steps), in time order, then from %globaltimer:
 the kernel's span (first CTA start to last CTA end), the spread of CTA starts, and CTA durations
-(median, max). L2 is flushed before each launch. Decode shapes (fewer rows than 2 x SMs) run once more on the wide-CTA
-kernels (``cuda_topk.set_wide_mode("auto")``), labelled ``wide``. Usage: python scripts/phase_topk.py  (on the GPU
-machine)."""
+(median, max). L2 is flushed before each launch. Every shape runs with the wide CTAs off; decode shapes (fewer rows
+than 2 x SMs) once more on them (``cuda_topk.set_wide_mode("always")``), labelled ``wide``. Usage: python
+scripts/phase_topk.py  (on the GPU machine)."""
 import ctypes
 import statistics
 
@@ -26,7 +26,7 @@ lib.tsi_topk_phase_spans.argtypes = [ctypes.c_void_p, ctypes.c_int]
 g = torch.Generator().manual_seed(0)
 scrub = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
-RUNS = [(s, "off") for s in SHAPES] + [(s, "auto") for s in SHAPES if s[0] != "sparse" and s[0] < 2 * SMS]
+RUNS = [(s, "off") for s in SHAPES] + [(s, "always") for s in SHAPES if s[0] != "sparse" and s[0] < 2 * SMS]
 for shape, wide in RUNS:
     ct.set_wide_mode(wide)
     sparse = shape[0] == "sparse"
@@ -57,7 +57,7 @@ for shape, wide in RUNS:
     pts = [i for i in range(32) if v[i]]
     pts.sort(key=lambda i: v[i])  # in time order (points inside phases have numbers >= 20)
     steps = [f"{a}->{b}: {(v[b] - v[a]) / MHZ:.2f} us" for a, b in zip(pts, pts[1:])]
-    label = ("sparse " if sparse else "") + ("wide " if wide == "auto" else "")
+    label = ("sparse " if sparse else "") + ("wide " if wide == "always" else "")
     print(f"{label}{R}x{W}: rc={rc} points={pts} " + ", ".join(steps), flush=True)
     s = list(spans)
     starts, ends = s[0::2], s[1::2]
