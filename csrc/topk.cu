@@ -12,6 +12,9 @@
 #ifndef TSI_WIDE_THREADS
 #define TSI_WIDE_THREADS 1024
 #endif
+#ifndef TSI_WIDE_UB1  // tiles per batch of the wide kernel's sampled pass (4: 64 KB in flight per CTA)
+#define TSI_WIDE_UB1 4
+#endif
 #undef TSI_NS
 #undef TSI_THREADS
 #undef TSI_U1
@@ -19,7 +22,7 @@
 #define TSI_NS tsi_wide
 #define TSI_THREADS TSI_WIDE_THREADS
 #define TSI_U1 2
-#define TSI_UB1 4
+#define TSI_UB1 TSI_WIDE_UB1
 #include "topk_kernels.cuh"
 
 namespace {
