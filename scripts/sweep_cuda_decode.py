@@ -1,9 +1,9 @@
 """CUDA decode scoring kernels on the GPU (development): a check against the reference at a small shape, then
 CUDA (each prefetch depth of the default build, and each library build given on the command line, e.g. a
 ``-DTSI_SCORING_MIN_BLOCKS=5`` variant) vs Triton at the decode target shapes (128 rows, context 128K, page 64;
-sparse: 2048 candidate blocks of 8), in one process on the same inputs, outputs compared bitwise with the default build's (the ablation builds of
-``benchmarks/variants/scoring/ablate_*.flags`` differ on purpose), with each build's CTAs per SM. CSV to
-``$OUT/cuda_decode.csv``.
+sparse: 2048 candidate blocks of 8), in one process on the same inputs, outputs compared bitwise with the default
+build's (the ablation builds of ``benchmarks/variants/scoring/ablate_*.flags`` differ on purpose), with each build's
+CTAs per SM. CSV to ``$OUT/cuda_decode.csv``.
     python3 scripts/sweep_cuda_decode.py [variant.so ...]"""
 import csv
 import os
