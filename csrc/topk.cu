@@ -89,14 +89,19 @@ cudaError_t current_device(int* dev) {
   return cudaSuccess;
 }
 
+// The variant depends only on the row count: two CTAs per SM pay off once every SM has two rows.
+template <class Src>
+cudaError_t launch_on(const Params& p, cudaStream_t stream, int dev) {
+  if (p.rows >= 2 * sm_count(dev)) return launch_variant<Src, 2>(p, stream, dev);
+  return launch_variant<Src, 1>(p, stream, dev);
+}
+
 template <class Src>
 cudaError_t launch(const Params& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;
   int dev;
   if (cudaError_t e = current_device(&dev); e != cudaSuccess) return e;
-  // The variant depends only on the row count: two CTAs per SM pay off once every SM has two rows.
-  if (p.rows >= 2 * sm_count(dev)) return launch_variant<Src, 2>(p, stream, dev);
-  return launch_variant<Src, 1>(p, stream, dev);
+  return launch_on<Src>(p, stream, dev);
 }
 
 // Wide CTAs for dense topk rows (tsi_wide): 0 = never, 1 = auto (the default: streamed rows, width > smem_keys,
@@ -109,12 +114,9 @@ template <typename T> struct WideElem { using type = T; };
 template <> struct WideElem<tsi::bf16_tag> { using type = tsi_wide::bf16_tag; };
 
 template <typename T>
-cudaError_t launch_dense(const Params& p, cudaStream_t stream) {
-  if (p.rows <= 0) return cudaSuccess;
-  int dev;
-  if (cudaError_t e = current_device(&dev); e != cudaSuccess) return e;
+cudaError_t launch_dense(const Params& p, cudaStream_t stream, int dev) {
   const bool wide = g_wide_mode == 2 || (g_wide_mode == 1 && p.width > tsi::SMEM_KEYS && 2 * p.rows <= sm_count(dev));
-  if (!wide) return launch<tsi::DenseSrc<T>>(p, stream);
+  if (!wide) return launch_on<tsi::DenseSrc<T>>(p, stream, dev);
   using Src = tsi_wide::DenseSrc<typename WideElem<T>::type>;
   return launch_rows<tsi_wide::topk_kernel<Src, 1>, tsi_wide::THREADS, (int)sizeof(tsi_wide::Smem)>(p, stream, dev);
 }
@@ -246,15 +248,14 @@ int tsi_topk(const void* logits, long long row_stride, int rows, int width, int 
     return cudaErrorInvalidValue;
   const Params p = row_params(logits, row_stride, rows, width, lengths, out, k);
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (rows > 0 && g_cluster_mode != 0 && width > tsi::SMEM_KEYS) {
-    int dev;
-    if (cudaError_t e = current_device(&dev); e != cudaSuccess) return e;
-    int C, S;
-    cluster_shape(rows, width, dev, &C, &S);
-    if (C > 0)
-      return dtype == 0 ? launch_cluster<float>(p, s, dev, C, S) : launch_cluster<tsi::bf16_tag>(p, s, dev, C, S);
-  }
-  return dtype == 0 ? launch_dense<float>(p, s) : launch_dense<tsi::bf16_tag>(p, s);
+  if (rows == 0) return cudaSuccess;
+  int dev;
+  if (cudaError_t e = current_device(&dev); e != cudaSuccess) return e;
+  int C, S;
+  cluster_shape(rows, width, dev, &C, &S);
+  if (C > 0)
+    return dtype == 0 ? launch_cluster<float>(p, s, dev, C, S) : launch_cluster<tsi::bf16_tag>(p, s, dev, C, S);
+  return dtype == 0 ? launch_dense<float>(p, s, dev) : launch_dense<tsi::bf16_tag>(p, s, dev);
 }
 
 // Cluster mode of tsi_topk (dense rows of smem_keys < width <= cluster_max * smem_keys columns, one
