@@ -13,6 +13,8 @@ timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_topk
 TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_FLASHINFER=0 timeout 120 python3 benchmarks/bench.py --suite topk --out "$OUT" \
   > "$OUT/topk_bench.log" 2>&1
 grep "^\[topk\]" "$OUT/topk_bench.log"
+[ -f torch_sparse_indexer/_C/phase_topk.so ] && TORCH_SPARSE_INDEXER_TOPK_LIB="$PWD/torch_sparse_indexer/_C/phase_topk.so" \
+  timeout 60 python3 scripts/phase_topk.py > "$OUT/phase.log" 2>&1; tail -n 40 "$OUT/phase.log"
 timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_scoring.py 2>&1 | tail -n 1
 timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_distributed.py -k nccl 2>&1 | tail -n 1
 timeout 170 python3 scripts/sweep_cuda_decode.py torch_sparse_indexer/_C/scoring_variant_ablate_*.so \
