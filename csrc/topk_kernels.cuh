@@ -1016,29 +1016,10 @@ __device__ uint32_t sample_tau(Smem& sm, const uint32_t* keys, int sv, uint32_t 
   return tau == 0u ? 1u : tau;  // key 0 is "no element"
 }
 
-// Index (0-31) of the n-th lowest set bit of x (n < popc(x)): a binary search on popcounts of halves.
-__device__ __forceinline__ uint32_t nth_set_bit(uint32_t x, uint32_t n) {
-  uint32_t pos = 0u;
-#pragma unroll
-  for (int sh = 16; sh > 0; sh >>= 1) {
-    const uint32_t low = (uint32_t)__popc(x & ((1u << sh) - 1u));
-    const bool up = n >= low;
-    n -= up ? low : 0u;
-    x >>= up ? sh : 0;
-    pos += up ? sh : 0;
-  }
-  return pos;
-}
-
 // Output in index order through bitmaps over element indices [0, 32 * W): G = selected for key > tkey,
 // Q = key == tkey (only the first need_eq of them in index order are taken). emit(rank, index) for each
 // selected element; ranks count G and taken Q elements before it. One block scan; ends without a barrier.
 // MAXPW: the most words per thread (W <= MAXPW * THREADS).
-// After the scan each thread merges its words' selection (G and its taken Q bits) and walks all its selected bits
-// in one loop, highest first, ranks counted down from its last: a warp makes as many trips as its busiest thread
-// has bits (a loop per word made as many as the sum over words of each word's busiest thread), and a trip is a
-// find-first-set, a clear and the emit (no G-or-Q branch). Ranks by a binary search of word prefixes instead, one
-// per output: slower (run 93: 4 dependent shared-memory searches per thread).
 template <int MAXPW, class Emit>
 __device__ void bitmap_emit(Smem& sm, const uint32_t* G, const uint32_t* Q, int W, uint32_t need_eq, Emit&& emit) {
   // Thread t owns words [t * PW, t * PW + n), read once into registers: 16-byte loads where PW is the full
@@ -1072,39 +1053,21 @@ __device__ void bitmap_emit(Smem& sm, const uint32_t* G, const uint32_t* Q, int 
   }
   uint32_t tot;
   const uint32_t ex = block_excl_scan((ng << 16) | nq, sm.scan[0], &tot);  // both counts <= CAND_CAP < 2^16
-  uint32_t eq = ex & 0xffffu;
-  uint32_t rank = (ex >> 16) - 1u;  // one below this thread's first rank, then past its last
-  uint32_t nz = 0u;                 // bit j: word j has a selected bit
+  uint32_t gt = ex >> 16, eq = ex & 0xffffu;
 #pragma unroll
   for (int j = 0; j < MAXPW; ++j) {
-    const uint32_t c = (uint32_t)__popc(q[j]);
-    uint32_t tq = eq >= need_eq ? 0u : q[j];
-    if (eq < need_eq && eq + c > need_eq) {  // the threshold key's last taken copy lies in this word
-      const uint32_t p = nth_set_bit(q[j], need_eq - eq - 1u);
-      tq &= p == 31u ? 0xffffffffu : (2u << p) - 1u;
+    uint32_t all = g[j] | q[j];
+    while (all != 0u) {
+      const int b = __ffs((int)all) - 1;
+      all &= all - 1u;
+      if ((g[j] >> b) & 1u) {
+        emit(gt + (eq < need_eq ? eq : need_eq), 32 * (w0 + j) + b);
+        ++gt;
+      } else {
+        if (eq < need_eq) emit(gt + eq, 32 * (w0 + j) + b);
+        ++eq;
+      }
     }
-    eq += c;
-    g[j] |= tq;
-    rank += (uint32_t)__popc(g[j]);
-    nz |= (uint32_t)(g[j] != 0u) << j;
-  }
-  // + the taken ties before this thread (its G count is in ex >> 16 already)
-  const uint32_t eq0 = ex & 0xffffu;
-  rank += eq0 < need_eq ? eq0 : need_eq;
-  uint32_t cur = 0u;
-  int j = 0;
-  while (true) {
-    if (cur == 0u) {
-      if (nz == 0u) break;
-      j = 31 - __clz((int)nz);
-      nz ^= 1u << j;
-      cur = g[0];
-#pragma unroll
-      for (int i = 1; i < MAXPW; ++i) cur = j == i ? g[i] : cur;
-    }
-    const int b = 31 - __clz((int)cur);
-    cur ^= 1u << b;
-    emit(rank--, 32 * (w0 + j) + b);
   }
 }
 
@@ -1569,10 +1532,6 @@ __device__ void smem_bitmap_select(Smem& sm, const uint32_t* K, int m, uint32_t 
   bitmap_emit<1>(sm, G, Q, W, t.need_eq, emit);
 }
 
-#ifndef TSI_SMEM_DIRECT_OUT  // 0: dense shared-memory rows stage their output too (for comparisons)
-#define TSI_SMEM_DIRECT_OUT 1
-#endif
-
 template <int U, class Src>
 __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   uint32_t* K = sm.region;
@@ -1588,17 +1547,10 @@ __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   const uint32_t total = sm.ctl[3];
   const int r = total <= (uint32_t)kk ? (int)total : kk;
   if (total > (uint32_t)kk && sm.ctl[2] <= (uint32_t)BIN_CAP) {
-    // Dense rows write their positions straight to out (r == kk: nothing to pad), without the staging's extra
-    // barrier and pass; sparse rows stage them (positions from the candidate ids, then the order check).
-    if constexpr (Src::KIND == SPARSE || !TSI_SMEM_DIRECT_OUT) {
-      smem_bitmap_select(sm, K, m, (uint32_t)kk, [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
-      TSI_MARK(15);
-      if constexpr (TSI_TOPK_STOP == 2) return;
-      write_staged(sm, src, stage, r, out, kk);
-    } else {
-      smem_bitmap_select(sm, K, m, (uint32_t)kk, [&](uint32_t rank, int i) { out[rank] = src.pos(i); });
-      TSI_MARK(15);
-    }
+    smem_bitmap_select(sm, K, m, (uint32_t)kk, [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
+    TSI_MARK(15);
+    if constexpr (TSI_TOPK_STOP == 2) return;
+    write_staged(sm, src, stage, r, out, kk);
     TSI_MARK(14);
     return;
   }
