@@ -24,7 +24,9 @@ _TOK = 64  # query-head rows per program (quantize)
 # 121.0-121.4 vs 122.7-123.5 us at 32 tokens, 4 warps, in four runs: 0.80 vs 0.79 of copy bandwidth; NOTES.md,
 # session 7); MXFP4 (bf16-pair encoder) the same: 121.2 vs 151.5 us at 32 tokens on 4 warps, whose layout splits a
 # token's groups across warps and so reduces its scale word through shared memory (run 42).
-_WRITE_LAUNCH = {"fp8": (16, 1), "mxfp4": (16, 1)}
+# (tokens per program, warps, L2 hints: see _write_kernel). MXFP4 without hints: 112 -> 105 us for 1M random
+# slots on the H200 (run 95); FP8 with them: 123 -> 121.
+_WRITE_LAUNCH = {"fp8": (16, 1, 3), "mxfp4": (16, 1, 0)}
 _GTOK = 128  # rows per program (gather)
 
 # Benchmarks may override launches: {"write": see _write_config, "gather": see _gather_config}. The defaults
@@ -34,13 +36,16 @@ CONFIG_OVERRIDES: dict = {}
 
 def _write_config(fmt: str):
     """(tokens per program, integer e4m3 rounding, warps, L2 hints); an override (both formats) may leave out the
-    last two (4 warps, no hints). The default keeps the scale words in L2 (FP8, 1M random slots on the H200: 130 ->
-    124 us) with the per-format launch of _WRITE_LAUNCH. On the GPU the e4m3 bytes come from triton's fp8 cast (the
+    last two (4 warps, no hints). Hints: a bit mask, 1 the rows and values evict first, 2 the scale words evict
+    last (True = 3, False = 0); FP8's default keeps the scale words in L2 (1M random slots on the H200: 130 -> 124
+    us), with the per-format launch of _WRITE_LAUNCH. On the GPU the e4m3 bytes come from triton's fp8 cast (the
     hardware's round-to-nearest-even conversion: 206 -> 129 us for 1M tokens, bytes equal to the reference's
     there; quantize_q uses it too); the integer rounding serves the interpreter, whose cast does not round."""
-    tok, warps = _WRITE_LAUNCH[fmt]
-    cfg = tuple(CONFIG_OVERRIDES.get("write", (tok, _INTERPRET, warps, True)))
-    return cfg + (4, False)[len(cfg) - 2:]
+    tok, warps, hints = _WRITE_LAUNCH[fmt]
+    cfg = tuple(CONFIG_OVERRIDES.get("write", (tok, _INTERPRET, warps, hints)))
+    cfg = cfg + (4, False)[len(cfg) - 2:]
+    h = cfg[3]
+    return cfg[:3] + (3 if h is True else 0 if h is False else int(h),)  # (True == 1 as a dict key)
 
 
 def _pairs(fmt: str, x) -> bool:
@@ -257,8 +262,8 @@ def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, LBS, PAGE_STRIDE,
     # HINTS: the K rows and value bytes stream through L2 once (evict first); the 4-byte scale words, one per
     # token at its page's end, stay (evict last) so that neighbouring slots' words written by other programs
     # merge into whole sectors in L2 instead of each leaving as a partial-sector write.
-    EV_STREAM: tl.constexpr = "evict_first" if HINTS else ""
-    EV_SCALE: tl.constexpr = "evict_last" if HINTS else ""
+    EV_STREAM: tl.constexpr = "evict_first" if HINTS & 1 else ""
+    EV_SCALE: tl.constexpr = "evict_last" if HINTS & 2 else ""
     VB: tl.constexpr = D // 2 if FP4 else D
     t = tl.program_id(0) * TOK + tl.arange(0, TOK)
     tm = t < T
@@ -429,7 +434,7 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     tok, soft, warps, hints = _write_config(fmt)
     _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, formats.log2_block_size(bs), stride,
                                           D=D, FP4=fmt == "mxfp4", POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft,
-                                          HINTS=bool(hints), PAIRS=_pairs(fmt, k), USE_ASM=_USE_ASM,
+                                          HINTS=int(hints), PAIRS=_pairs(fmt, k), USE_ASM=_USE_ASM,
                                           num_warps=warps)
 
 
