@@ -45,7 +45,7 @@ def _write_config(fmt: str):
     cfg = tuple(CONFIG_OVERRIDES.get("write", (tok, _INTERPRET, warps, hints)))
     cfg = cfg + (4, False)[len(cfg) - 2:]
     h = cfg[3]
-    return cfg[:3] + (3 if h is True else 0 if h is False else int(h),)  # (True == 1 as a dict key)
+    return cfg[:3] + (3 if h is True else 0 if h is False else int(h),)  # by identity: True == 1 as a value
 
 
 def _pairs(fmt: str, x) -> bool:
@@ -259,9 +259,9 @@ def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, LBS, PAGE_STRIDE,
                   SOFT_FP8: tl.constexpr, HINTS: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr):
     """``PAIRS`` (MXFP4, bf16 ``k``): the encoder on bf16 pairs (:func:`_quant_mxfp4_bf16`), the fp32 one for a
     program whose groups it cannot take."""
-    # HINTS: the K rows and value bytes stream through L2 once (evict first); the 4-byte scale words, one per
-    # token at its page's end, stay (evict last) so that neighbouring slots' words written by other programs
-    # merge into whole sectors in L2 instead of each leaving as a partial-sector write.
+    # HINTS bit 1: the K rows and value bytes stream through L2 once (evict first); bit 2: the 4-byte scale words,
+    # one per token at its page's end, stay (evict last) so that neighbouring slots' words written by other
+    # programs merge into whole sectors in L2 instead of each leaving as a partial-sector write.
     EV_STREAM: tl.constexpr = "evict_first" if HINTS & 1 else ""
     EV_SCALE: tl.constexpr = "evict_last" if HINTS & 2 else ""
     VB: tl.constexpr = D // 2 if FP4 else D
