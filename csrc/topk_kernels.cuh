@@ -87,8 +87,9 @@ struct SpanGuard {
 // -DTSI_TOPK_STOP=n ends every row after its phase n, so that such a build's time against the default build's is
 // what the later phases cost at the shape's occupancy (with two CTAs per SM, phase timing of one CTA cannot
 // say). Shared-memory rows: 1 after the load and its histogram, 2 after the threshold (the bitmap path's sweep,
-// refinement and marks; rows whose threshold bin is too large for it, e.g. massive ties, run to the end). Sampled rows: 1 after the sample's threshold, 2 after the pass, 3 after the exact
-// threshold. 0 (the default) compiles none of it.
+// refinement and marks; rows whose threshold bin is too large for it, e.g. massive ties, run to the end).
+// Sampled rows: 1 after the sample's threshold, 2 after the pass, 3 after the exact threshold. 0 (the default)
+// compiles none of it.
 #ifndef TSI_TOPK_STOP
 #define TSI_TOPK_STOP 0
 #endif

@@ -434,7 +434,7 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     tok, soft, warps, hints = _write_config(fmt)
     _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, formats.log2_block_size(bs), stride,
                                           D=D, FP4=fmt == "mxfp4", POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft,
-                                          HINTS=int(hints), PAIRS=_pairs(fmt, k), USE_ASM=_USE_ASM,
+                                          HINTS=hints, PAIRS=_pairs(fmt, k), USE_ASM=_USE_ASM,
                                           num_warps=warps)
 
 
