@@ -13,7 +13,8 @@ per-row lengths: ``masked_fill`` then ``torch.topk``; for ``block_topk`` a maske
 ``torch.topk``), ``torch.topk`` (no lengths at all: a lower bound for torch) and ``amax`` (one read of the
 scores: the measured floor). Rows longer than the shared-memory limit are also timed on each path the
 library can take for them: ``cuda cluster`` / ``cuda one-CTA`` (cluster mode forced on / off) and
-``cuda two-pass`` (one CTA, sampled threshold off: the row read twice). ``floor_us`` = score bytes / copy
+``cuda two-pass`` (one CTA, sampled threshold off: the row read twice); fp32 rows of at most ``smem_keys``
+columns on ``cuda three-CTA`` and ``cuda two-CTA`` (``cuda_topk.set_tri_mode`` "always" / "off"). ``floor_us`` = score bytes / copy
 bandwidth; ``x_torch`` = torch.topk+mask time / ours; ``x_read`` = our time / amax time. Times: median of
 CUDA-graph replays, L2 flushed; ``kernel_us`` (ours and ``amax``) = the kernels' own GPU time from a profiler
 trace, L2 flushed, without launch and graph overheads. ``check``: our output equals ``reference.py`` on the first rows. ``--quick``
@@ -173,33 +174,50 @@ def _topk_case(R, W, k, dtype, gen, pattern=None):
     rows = _rows("topk", shape, k, x, ours, lambda: torch.topk(_mask(x, lens), k, dim=1),
                  lambda: torch.topk(x, k, dim=1), check)
     t = ct.tuning()
-    alts = []  # the same rows on each path: (impl, cluster mode, sampled threshold, wide mode)
+    alts = []  # the same rows on each path: (impl, modes)
     if t["smem_keys"] < W <= t["cluster_max"] * t["smem_keys"]:
-        alts += [("cuda cluster", "always", True, "off"), ("cuda one-CTA", "off", True, "off")]
+        alts += [("cuda cluster", dict(cluster="always", wide="off")), ("cuda one-CTA", dict(cluster="off", wide="off"))]
     if W > t["smem_keys"]:
-        alts.append(("cuda two-pass", "off", False, "off"))
+        alts.append(("cuda two-pass", dict(cluster="off", sampled=False, wide="off")))
     if W > t["smem_keys"] and R < 2 * torch.cuda.get_device_properties(DEV).multi_processor_count:
         # the default ("auto") takes the wide CTAs for at most SMs / 2 rows: both CTA sizes on every decode batch
-        alts += [("cuda 512 threads", "auto", True, "off"),
-                 (f"cuda {t['wide_threads']} threads", "auto", True, "always")]
+        alts += [("cuda 512 threads", dict(wide="off")), (f"cuda {t['wide_threads']} threads", dict(wide="always"))]
+    alts += _tri_alts(W, k, dtype)
     cuda = rows[0]
     if pattern is None:  # target shapes too: the public baseline is part of what the issue asks to report
         rows += _flashinfer_rows(x, lens, k, shape, cuda, expected)
-    for impl, mode, sampled, wide in alts:
-        prev, prev_s, prev_w = ct.set_cluster_mode(mode), ct.set_sampled(sampled), ct.set_wide_mode(wide)
-        try:
-            ours()
-            chk = _check(out, expected)
-            t_alt = common.time_us(ours)
-            k_alt = common.kernel_us(ours)
-        finally:
-            ct.set_cluster_mode(prev)
-            ct.set_sampled(prev_s)
-            ct.set_wide_mode(prev_w)
-        rows.append(common.record(op="topk", shape=shape, k=k, floor_us=cuda["floor_us"], impl=impl,
-                                  time_us=t_alt, kernel_us=k_alt, x_read=t_alt / cuda["time_us"] * cuda["x_read"],
-                                  x_torch=cuda["x_torch"] * cuda["time_us"] / t_alt, check=chk))
+    for impl, modes in alts:
+        rows.append(_alt_row("topk", shape, k, ours, out, expected, cuda, impl, modes))
     return rows
+
+
+_SETTERS = {"cluster": ct.set_cluster_mode, "sampled": ct.set_sampled, "wide": ct.set_wide_mode,
+            "tri": ct.set_tri_mode}
+
+
+def _tri_alts(W, k, dtype):
+    """Rows the three-CTA kernel can take (``cuda_topk.set_tri_mode``): timed on it and on the two-CTA kernel, so
+    that both show whichever is the default."""
+    t = ct.tuning()
+    if W > t["smem_keys"] or k > t["tri_max_k"] or dtype != torch.float32:
+        return []
+    return [("cuda three-CTA", dict(tri="always")), ("cuda two-CTA", dict(tri="off"))]
+
+
+def _alt_row(op, shape, k, ours, out, expected, cuda, impl, modes):
+    """ours() timed with the library's path modes set (``_SETTERS``; restored after), as a row against ``cuda``."""
+    prev = {name: _SETTERS[name](value) for name, value in modes.items()}
+    try:
+        ours()
+        chk = _check(out, expected)
+        t_alt = common.time_us(ours)
+        k_alt = common.kernel_us(ours)
+    finally:
+        for name, value in prev.items():
+            _SETTERS[name](value)
+    return common.record(op=op, shape=shape, k=k, floor_us=cuda["floor_us"], impl=impl, time_us=t_alt,
+                         kernel_us=k_alt, x_read=t_alt / cuda["time_us"] * cuda["x_read"],
+                         x_torch=cuda["x_torch"] * cuda["time_us"] / t_alt, check=chk)
 
 
 def _sparse_case(R, nb, cbs, k, gen):
@@ -212,10 +230,15 @@ def _sparse_case(R, nb, cbs, k, gen):
     out = torch.empty(R, k, dtype=torch.int32, device=DEV)
     ours = lambda: ct.sparse_topk(x, blocks, cbs, lens, k, out)  # noqa: E731
     ours()
-    check = _check(out, _expected(lambda e, r: reference.sparse_topk(x[:r], blocks[:r], cbs, lens[:r], k, e), out))
+    expected = _expected(lambda e, r: reference.sparse_topk(x[:r], blocks[:r], cbs, lens[:r], k, e), out)
+    check = _check(out, expected)
     valid = lens  # every candidate column is valid here: the plain topk is the fair torch equivalent
-    return _rows("sparse_topk", f"{R}x{nb}blk*{cbs}", k, x, ours, lambda: torch.topk(_mask(x, valid), k, dim=1),
+    shape = f"{R}x{nb}blk*{cbs}"
+    rows = _rows("sparse_topk", shape, k, x, ours, lambda: torch.topk(_mask(x, valid), k, dim=1),
                  lambda: torch.topk(x, k, dim=1), check)
+    for impl, modes in _tri_alts(W, k, x.dtype):
+        rows.append(_alt_row("sparse_topk", shape, k, ours, out, expected, rows[0], impl, modes))
+    return rows
 
 
 def _block_case(R, W, cbs, nbk, gen):
@@ -244,6 +267,7 @@ def run(args) -> list[dict]:
     q = getattr(args, "quick", False)
     K128 = 16384 if q else 131072
     rows: list[dict] = []
+    print(f"[topk] three-CTA kernel: {ct.tri_blocks_per_sm()} CTAs per SM", flush=True)
     for k in ((2048,) if TARGETS_ONLY else (512, 1024, 2048)):
         rows += _topk_case(128, K128, k, torch.float32, gen)
     if not q and not TARGETS_ONLY:

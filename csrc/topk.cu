@@ -29,7 +29,7 @@ namespace {
 
 using tsi::Params;
 
-constexpr int kVersion = 4;
+constexpr int kVersion = 5;
 
 int log2_exact(int v) {
   int l = 0;
@@ -196,6 +196,57 @@ bool aligned16(const void* ptr, long long stride, int esize) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0 && ((stride * esize) & 15) == 0;
 }
 
+// Three CTAs per SM for batches of shared-memory rows (tsi::topk_tri_kernel: 16-bit keys in shared memory, ~70 KB
+// per CTA instead of ~107): 0 = off (the default until it is measured on the H200), 1 = auto (batches of at least
+// 2 x SMs rows, where the one-CTA-per-row kernel runs two CTAs per SM), 2 = whenever the rows qualify (tests).
+// Rows qualify when they are fp32 with 16-byte aligned starts and stride, width <= smem_keys and k <= tri_max_k.
+int g_tri_mode = 0;
+
+constexpr int kTriSmem = (int)(offsetof(tsi::Smem, region) + sizeof(uint32_t) * tsi::SMEM_KEYS);
+
+bool tri_rows(const Params& p, int dtype, int dev) {
+  if (g_tri_mode == 0 || dtype != 0 || p.width > tsi::SMEM_KEYS || p.kk > tsi::TRI_LIST ||
+      !aligned16(p.logits, p.row_stride, 4))
+    return false;
+  return g_tri_mode == 2 || p.rows >= 2 * sm_count(dev);
+}
+
+// The three-CTA kernel's attributes, once per device (not stream operations: capture-safe): its dynamic shared
+// memory, and all of the SM's unified L1 / shared memory as shared memory (three CTAs need it).
+template <class Src>
+cudaError_t launch_tri_attrs(int dev) {
+#ifndef TSI_EMULATE
+  static bool done[64] = {false};
+  if (done[dev]) return cudaSuccess;
+  cudaError_t e = cudaFuncSetAttribute(tsi::topk_tri_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       kTriSmem);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(tsi::topk_tri_kernel<Src>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+  if (e != cudaSuccess) return e;
+  done[dev] = true;
+#else
+  (void)dev;
+#endif
+  return cudaSuccess;
+}
+
+// Launches of the three-CTA kernel so far (tests check that the mode they set reaches it).
+unsigned g_tri_launches = 0;
+
+template <class Src>
+cudaError_t launch_tri(const Params& p, cudaStream_t stream, int dev) {
+  if (cudaError_t e = launch_tri_attrs<Src>(dev); e != cudaSuccess) return e;
+  ++g_tri_launches;
+#ifndef TSI_EMULATE
+  tsi::topk_tri_kernel<Src><<<p.rows, tsi::THREADS, kTriSmem, stream>>>(p);
+  return cudaGetLastError();
+#else
+  (void)stream;
+  tsi_emu::launch(p.rows, tsi::THREADS, kTriSmem, [p]() { tsi::topk_tri_kernel<Src>(p); });
+  return cudaSuccess;
+#endif
+}
+
 }  // namespace
 
 extern "C" {
@@ -255,6 +306,7 @@ int tsi_topk(const void* logits, long long row_stride, int rows, int width, int 
   cluster_shape(rows, width, dev, &C, &S);
   if (C > 0)
     return dtype == 0 ? launch_cluster<float>(p, s, dev, C, S) : launch_cluster<tsi::bf16_tag>(p, s, dev, C, S);
+  if (tri_rows(p, dtype, dev)) return launch_tri<tsi::DenseSrc<float>>(p, s, dev);
   return dtype == 0 ? launch_dense<float>(p, s, dev) : launch_dense<tsi::bf16_tag>(p, s, dev);
 }
 
@@ -280,6 +332,32 @@ int tsi_topk_set_wide_mode(int mode) {
 }
 int tsi_topk_wide_threads() { return tsi_wide::THREADS; }
 
+// Three-CTA mode of tsi_topk and tsi_sparse_topk (see g_tri_mode): 0 = off (the default), 1 = auto, 2 = always for
+// qualifying rows. Results are identical in every mode. Returns the previous mode; a value outside 0..2 only
+// queries. For benchmarks and tests; not thread-safe against launches.
+int tsi_topk_set_tri_mode(int mode) {
+  const int prev = g_tri_mode;
+  if (mode >= 0 && mode <= 2) g_tri_mode = mode;
+  return prev;
+}
+int tsi_topk_tri_max_k() { return tsi::TRI_LIST; }
+int tsi_topk_tri_launches() { return (int)(g_tri_launches & 0x7fffffffu); }
+
+// CTAs per SM that the three-CTA kernel (dense fp32 rows) reaches on the current device, or -1 where that cannot
+// be queried (emulation builds). For benchmarks: the kernel is built for three.
+int tsi_topk_tri_blocks_per_sm() {
+#ifndef TSI_EMULATE
+  int dev, n = 0;
+  if (current_device(&dev) != cudaSuccess || launch_tri_attrs<tsi::DenseSrc<float>>(dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, tsi::topk_tri_kernel<tsi::DenseSrc<float>>, tsi::THREADS,
+                                                    kTriSmem) != cudaSuccess)
+    return -1;
+  return n;
+#else
+  return -1;
+#endif
+}
+
 // Streamed rows (more than smem_keys elements, one CTA per row): 1 = try the sampled threshold first (the
 // default: one read of the row when the sample's threshold buffers between k and cand_cap elements, else
 // the two-pass path), 0 = always the two-pass path. The result is the same either way. Returns the
@@ -304,7 +382,11 @@ int tsi_sparse_topk(const void* logits, long long row_stride, int rows, int dtyp
   p.cbs = cbs;
   p.lcbs = lcbs;
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  return dtype == 0 ? launch<tsi::SparseSrc<float>>(p, s) : launch<tsi::SparseSrc<tsi::bf16_tag>>(p, s);
+  if (rows == 0) return cudaSuccess;
+  int dev;
+  if (cudaError_t e = current_device(&dev); e != cudaSuccess) return e;
+  if (tri_rows(p, dtype, dev)) return launch_tri<tsi::SparseSrc<float>>(p, s, dev);
+  return dtype == 0 ? launch_on<tsi::SparseSrc<float>>(p, s, dev) : launch_on<tsi::SparseSrc<tsi::bf16_tag>>(p, s, dev);
 }
 
 // block_topk: the min(nbk, ceil(n / cbs)) best blocks of cbs columns by their max valid logit

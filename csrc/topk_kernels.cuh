@@ -1800,6 +1800,32 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   return true;
 }
 
+// The exact selection without a buffer: the row is rescanned from global memory, each finer digit's histogram
+// filtered by the fixed key prefix, then one ordered pass writes the output. For rows whose threshold bin (B1 of
+// the top digit, c1 elements, need1 of them taken) is larger than any buffer (massive ties). hist is zero
+// (find_bin leaves it so); the row has more than k elements.
+template <int U, class Src>
+__device__ void rescan_select(Smem& sm, int& par, const Src& src, int* out, uint32_t B1, uint32_t need1,
+                              uint32_t c1) {
+  Thresh t;
+  if (c1 == need1) {  // the whole bin taken: select everything from it up
+    t.tkey = (B1 << 21) > 1u ? (B1 << 21) - 1u : 0u;
+    t.need_eq = 0u;
+  } else {
+    auto next_hist = [&](int L, uint32_t P) {
+      __syncthreads();
+      clear_hist(sm);
+      __syncthreads();
+      global_hist<U>(sm, src, L, P);
+      __syncthreads();
+    };
+    next_hist(11, B1);
+    t = resolve(sm, 11, B1, need1, next_hist);
+  }
+  __syncthreads();
+  final_global<U>(sm, par, src, t, out);
+}
+
 template <int U, class Src>
 __device__ void stream_mode(Smem& sm, const Src& src, int* out, int kk) {
   static_assert(U * THREADS * Src::E < 65536, "packed batch counts");
@@ -1823,24 +1849,8 @@ __device__ void stream_mode(Smem& sm, const Src& src, int* out, int kk) {
   Thresh whole_bin;  // the whole threshold bin is taken: no refinement needed
   whole_bin.tkey = (B1 << 21) > 1u ? (B1 << 21) - 1u : 0u;
   whole_bin.need_eq = 0u;
-  if (c1 > (uint32_t)CAND_CAP) {
-    // The threshold bin overflows the buffer: rescan the row, filtered by the fixed key prefix.
-    Thresh t;
-    if (c1 == need1) {
-      t = whole_bin;
-    } else {
-      auto next_hist = [&](int L, uint32_t P) {
-        __syncthreads();
-        clear_hist(sm);
-        __syncthreads();
-        global_hist<U>(sm, src, L, P);
-        __syncthreads();
-      };
-      next_hist(11, B1);
-      t = resolve(sm, 11, B1, need1, next_hist);
-    }
-    __syncthreads();
-    final_global<U>(sm, par, src, t, out);
+  if (c1 > (uint32_t)CAND_CAP) {  // the threshold bin overflows the buffer
+    rescan_select<U>(sm, par, src, out, B1, need1, c1);
     return;
   }
   // Collect, in index order: ABOVE = elements of bins > B1, CAND = elements of bin B1 (with keys).
@@ -2048,6 +2058,236 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
     __syncthreads();
     stream_mode<U>(sm, src, out, kk);
   }
+  if (Src::KIND == SPARSE) sort_positions_if_unordered(sm, out, kk);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Three CTAs per SM: shared-memory rows with 16-bit keys (topk_tri_kernel)
+// ------------------------------------------------------------------------------------------------
+// Batches of fp32 rows of at most SMEM_KEYS columns (16-byte aligned, k <= TRI_LIST; the host picks this kernel).
+// topk_kernel holds such a row as 32-bit keys (~107 KB per CTA: two CTAs per SM), and its kernel time follows the
+// CTA time per row, of which the selection after the load is more than half (NOTES.md, run 92): a third CTA per SM
+// overlaps more of those latency-bound phases. Here the row is copied raw by cp.async into the region (SMEM_KEYS
+// words: exactly one row) and converted in place, round by round, to 16-bit keys (the top half of each 32-bit key)
+// in the region's first half; the second half then holds the staged output, the bitmaps and the threshold bin's
+// buffer (~70 KB per CTA). The top digit (11 bits) comes from the 16-bit keys, exactly; the threshold bin's full
+// keys are read again from global memory (the row was just read: L2), and the rest is smem_bitmap_select's.
+// Threshold bins larger than the buffer (massive ties) are resolved by rescanning the row (rescan_select).
+constexpr int TRI_K16_WORDS = SMEM_KEYS / 2;  // the 16-bit keys
+constexpr int TRI_LIST = SMEM_KEYS / 8;        // the largest k (2048 with SMEM_KEYS = 16384)
+constexpr int TRI_BIN = (SMEM_KEYS - TRI_K16_WORDS - TRI_LIST - 2 * SMEM_WORDS) / 2 & ~3;  // bin buffer entries
+constexpr int TRI_MINB = 3;                    // CTAs per SM the kernel is built for
+
+// 16-bit key: the top half of the 32-bit key, NaN (key 1) kept apart from "no element" (0). Its top 11 bits are
+// the key's. Key i lives in 16-byte group kgroup(i >> 3) of K16 (thread t's sweep reads groups 4t .. 4t + 3:
+// eight lanes meet eight different bank groups).
+__device__ __forceinline__ uint32_t k16_of(uint32_t key) { return (key >> 16) | (uint32_t)(key == 1u); }
+__device__ __forceinline__ int k16_slot(int i) { return (kgroup(i >> 3) << 3) | (i & 7); }
+
+// cp_async_wait<n> for a run-time n < 8 (the rounds of tri_load).
+__device__ __forceinline__ void cp_async_wait_n(int n) {
+  switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
+  }
+}
+
+// One read of the row into 16-bit keys K16[0, m) (the layout of k16_slot), zeros in K16[m, m rounded up to 32),
+// the coarse histogram to sm.hist, ctl[4] = 0. Round u converts chunk u * THREADS + tid (4 scores) of the raw copy
+// to its four 16-bit keys, stored over raw chunk (u * THREADS + tid) / 2: a chunk of round u / 2, which every
+// thread read before that round's barrier (for u = 0, this round's). A sparse row's candidate block
+// ids are loaded into registers first (their DRAM latency overlaps the copies); after the conversion each thread
+// takes the invalid columns of its own blocks out again. Ends with a barrier.
+template <class Src>
+__device__ void tri_load(Smem& sm, const Src& src, uint16_t* K16) {
+  static_assert(Src::E == 4, "fp32 chunks");
+  constexpr int NU = SMEM_KEYS / 4 / THREADS;  // rounds: one chunk per thread each
+  static_assert(NU >= 1 && NU <= 8 && SMEM_KEYS % (4 * THREADS) == 0, "at most 8 commit groups");
+  constexpr int NBT = (SMEM_KEYS / 8 + THREADS - 1) / THREADS;  // candidate blocks per thread (blocks of >= 8)
+  const int m = src.m, nfull = m >> 2, tid = (int)threadIdx.x;
+  int ids[NBT];
+  if constexpr (Src::KIND == SPARSE) {
+#pragma unroll
+    for (int j = 0; j < NBT; ++j) {
+      const int b = j * THREADS + tid;
+      ids[j] = b < ((m + src.cbs - 1) >> src.lcbs) ? __ldg(src.blk + b) : -1;
+    }
+  }
+  uint32_t* raw = sm.region;
+#pragma unroll
+  for (int u = 0; u < NU; ++u) {
+    const int c = u * THREADS + tid;
+    if (c < nfull) cp_async<16>(raw + 4 * c, src.ch.abase + (long long)c * 16);
+    cp_async_commit();
+  }
+  clear_hist(sm);
+  if (tid == 0) sm.ctl[4] = 0u;
+  __syncthreads();  // the histogram is clear before the counts
+#pragma unroll
+  for (int u = 0; u < NU; ++u) {
+    const int c = u * THREADS + tid;
+    const bool have = c < nfull;
+    cp_async_wait_n(NU - 1 - u);
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (have) v = *reinterpret_cast<const uint4*>(raw + 4 * c);
+    const uint32_t k0 = f32_key(v.x), k1 = f32_key(v.y), k2 = f32_key(v.z), k3 = f32_key(v.w);
+    if (have) {
+      atomicAdd(&sm.hist[k0 >> 21], 1u);
+      atomicAdd(&sm.hist[k1 >> 21], 1u);
+      atomicAdd(&sm.hist[k2 >> 21], 1u);
+      atomicAdd(&sm.hist[k3 >> 21], 1u);
+    }
+    // Round r's raw chunks take the stores of rounds 2r and 2r + 1: every thread reads them before any of those
+    // stores. Rounds past the first half are never stored over (their reads need no barrier).
+    if (u < (NU + 1) / 2) __syncthreads();
+    if (have) {
+      uint2 w;
+      w.x = k16_of(k0) | (k16_of(k1) << 16);
+      w.y = k16_of(k2) | (k16_of(k3) << 16);
+      *reinterpret_cast<uint2*>(K16 + k16_slot(4 * c)) = w;
+    }
+  }
+  __syncthreads();
+  if constexpr (Src::KIND == DENSE) {
+    if (tid == 0)
+      for (int i = 4 * nfull; i < m; ++i) {  // the partial last chunk
+        const uint32_t key = f32_key(DT<float>::load1(src.ch.row, i));
+        K16[k16_slot(i)] = (uint16_t)k16_of(key);
+        atomicAdd(&sm.hist[key >> 21], 1u);
+      }
+  }
+  for (int i = m + tid; i < round32(m); i += THREADS) K16[k16_slot(i)] = 0;
+  if constexpr (Src::KIND == SPARSE) {  // m = nblk * cbs: no partial chunk
+#pragma unroll
+    for (int j = 0; j < NBT; ++j) {
+      const int b = j * THREADS + tid;
+      const int v = src.valid_in(ids[j]);  // 0 for the -1 ids past the row's blocks: their loop is empty
+      const int end = (b + 1) << src.lcbs < m ? (b + 1) << src.lcbs : m;
+      for (int i = (b << src.lcbs) + v; i < end; ++i) {
+        uint16_t& k = K16[k16_slot(i)];
+        atomicAdd(&sm.hist[k >> 5], 0xffffffffu);  // (minus one)
+        k = 0;
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// The selection of a tri_load row: the k best of its m keys as ranks in index order, emit(rank, index), through
+// the bitmaps of smem_bitmap_select. ctl holds find_bin's result for the top digit; all: every element is taken
+// (total <= k), else the threshold bin holds 1 <= need - above <= c <= TRI_BIN keys. Ends without a barrier.
+template <class Src, class Emit>
+__device__ void tri_bitmap_select(Smem& sm, const Src& src, const uint16_t* K16, int m, uint32_t need, bool all,
+                                  Emit&& emit) {
+  uint32_t* G = sm.region + TRI_K16_WORDS + TRI_LIST;  // past the staged output
+  uint32_t* Q = G + SMEM_WORDS;
+  uint32_t* BK = Q + SMEM_WORDS;
+  uint32_t* BI = BK + TRI_BIN;
+  const uint32_t B = all ? 0u : sm.ctl[0], c = all ? 0u : sm.ctl[2];
+  need -= all ? 0u : sm.ctl[1];
+  const int W = (m + 31) >> 5;
+  const int tid = (int)threadIdx.x;
+  uint32_t gw = 0u, bm = 0u;
+  if (tid < W) {
+    uint32_t k[16];  // 32 keys, two per word
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint4 v = *reinterpret_cast<const uint4*>(K16 + 8 * kgroup(4 * tid + q));
+      k[4 * q] = v.x;
+      k[4 * q + 1] = v.y;
+      k[4 * q + 2] = v.z;
+      k[4 * q + 3] = v.w;
+    }
+    if (all) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) gw |= (uint32_t)(((k[j >> 1] >> (16 * (j & 1))) & 0xffffu) != 0u) << j;
+    } else {
+      // Digits compared in place: bin B is [B << 5, (B << 5) + 31] in either half-word (the key 0 is below it:
+      // bin 0 holds NaN, 16-bit key 1).
+      const uint32_t lo = B << 5, lo1 = lo == 0u ? 1u : lo, hi = lo | 31u;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const uint32_t x = (k[j >> 1] >> (16 * (j & 1))) & 0xffffu;
+        gw |= (uint32_t)(x > hi) << j;
+        bm |= (uint32_t)(x - lo1 <= hi - lo1) << j;
+      }
+    }
+    G[tid] = gw;
+    Q[tid] = 0u;
+  }
+  if (all) {
+    bitmap_emit<1>(sm, G, Q, W, 0u, emit);
+    return;
+  }
+  uint32_t after;
+  uint32_t o = warp_reserve(&sm.ctl[4], (uint32_t)__popc(bm), &after);
+  while (bm != 0u) {
+    const int j = __ffs((int)bm) - 1;
+    bm &= bm - 1u;
+    BI[o++] = (uint32_t)(32 * tid + j);
+  }
+  __syncthreads();
+  // The bin's full keys from global memory (the row was just read: L2 hits), two loads in flight per thread,
+  // counted by their next digit.
+  const uint32_t* row = reinterpret_cast<const uint32_t*>(src.ch.row);
+  for (int i = tid; i < (int)c; i += 2 * THREADS) {
+    const int i2 = i + THREADS;
+    const uint32_t a = __ldg(row + BI[i]);
+    const uint32_t b = i2 < (int)c ? __ldg(row + BI[i2]) : 0u;
+    const uint32_t ka = f32_key(a);
+    BK[i] = ka;
+    atomicAdd(&sm.hist[(ka >> 10) & 0x7ffu], 1u);
+    if (i2 < (int)c) {
+      const uint32_t kb = f32_key(b);
+      BK[i2] = kb;
+      atomicAdd(&sm.hist[(kb >> 10) & 0x7ffu], 1u);
+    }
+  }
+  __syncthreads();
+  const Marks mk{BI, G, Q};
+  const Thresh t =
+      resolve(sm, 11, B, need, [&](int L, uint32_t P) { smem_hist(sm, BK, (int)c, L, P); }, false, BK, (int)c, &mk);
+  if (!t.marked) mark_selected(G, Q, BK, BI, (int)c, t);
+  bitmap_emit<1>(sm, G, Q, W, t.need_eq, emit);
+}
+
+template <class Src>
+__global__ void __launch_bounds__(THREADS, TRI_MINB) topk_tri_kernel(Params p) {
+  static_assert(TRI_K16_WORDS + TRI_LIST + 2 * SMEM_WORDS + 2 * TRI_BIN <= SMEM_KEYS && TRI_BIN >= 32,
+                "the selection's buffers fit in the second half of the raw row");
+  static_assert(SMEM_WORDS <= THREADS && TRI_LIST <= LIST_CAP && (TRI_LIST & (TRI_LIST - 1)) == 0,
+                "one bitmap word per thread; the staged output sorts in place");
+  constexpr int U = TSI_U2;  // the rescan's tiles per batch
+  TSI_DYN_SMEM(smem_raw);
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);  // only region[0, SMEM_KEYS) is allocated (TRI_SMEM_BYTES)
+  TSI_SPAN;
+  const int row = blockIdx.x;
+  Src src(p, row);
+  int* out = p.out + (long long)row * p.kk;
+  const int kk = p.kk;
+  if (Src::KIND == DENSE && src.m <= kk) {  // every valid position, no read needed
+    for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < src.m ? i : -1;
+    return;
+  }
+  uint16_t* K16 = reinterpret_cast<uint16_t*>(sm.region);
+  uint32_t* stage = sm.region + TRI_K16_WORDS;
+  tri_load(sm, src, K16);
+  find_bin<NBINS>(sm, (uint32_t)kk);
+  const uint32_t total = sm.ctl[3];
+  if (total <= (uint32_t)kk || sm.ctl[2] <= (uint32_t)TRI_BIN) {
+    tri_bitmap_select(sm, src, K16, src.m, (uint32_t)kk, total <= (uint32_t)kk,
+                      [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
+    write_staged(sm, src, stage, total <= (uint32_t)kk ? (int)total : kk, out, kk);
+    return;
+  }
+  int par = 0;
+  rescan_select<U>(sm, par, src, out, sm.ctl[0], (uint32_t)kk - sm.ctl[1], sm.ctl[2]);
   if (Src::KIND == SPARSE) sort_positions_if_unordered(sm, out, kk);
 }
 

@@ -411,6 +411,142 @@ def test_sparse_topk_unordered_lists(nb_width, disorder, gen):
 
 
 # ----------------------------------------------------------------------------------------------------
+# The three-CTA kernel (16-bit keys in shared memory; cuda_topk.set_tri_mode)
+# ----------------------------------------------------------------------------------------------------
+
+TRI_MAXK = _T.get("tri_max_k", 0)
+TRI_KS = sorted({k for k in (1, 7, 100, 512, 1024, 2048, TRI_MAXK) if 0 < k <= TRI_MAXK})
+TRI_PATTERNS = PATTERNS + ["rounded"]
+
+
+@pytest.fixture
+def tri_always():
+    """Every qualifying topk / sparse_topk launch on the three-CTA kernel."""
+    prev = ct.set_tri_mode("always")
+    yield
+    ct.set_tri_mode(prev)
+
+
+def _tri_pattern(name, R, W, gen):
+    if name == "rounded":  # randn at bf16 precision in fp32: a threshold bin small enough for the bitmap path,
+        # with ties inside it
+        return torch.randn(R, W, generator=gen).to(torch.bfloat16).float()
+    return _pattern(name, R, W, gen)
+
+
+def _rows16(x):
+    """x as a view into rows padded to 16 bytes (fp32: a multiple of 4 columns), which the three-CTA kernel needs."""
+    W = x.shape[1]
+    buf = torch.full((x.shape[0], (W + 3) // 4 * 4), 123.0, dtype=x.dtype, device=x.device)
+    buf[:, :W] = x
+    return buf[:, :W]
+
+
+def _expect_tri(fn, qualifies=True):
+    """Runs fn() and checks that it launched the three-CTA kernel (or, qualifies=False, that it did not)."""
+    before = ct.tri_launches()
+    out = fn()
+    assert (ct.tri_launches() > before) == qualifies, "three-CTA kernel " + ("not " if qualifies else "") + "used"
+    return out
+
+
+@pytest.mark.parametrize("W", [W_SMALL, SMEM_KEYS // 4 + 1, W_SMEM, SMEM_KEYS])
+@pytest.mark.parametrize("k", TRI_KS)
+def test_topk_tri_random(W, k, gen, tri_always):
+    lens = _lengths(W, k, gen).to(DEV)
+    x = _rows16(torch.randn(lens.shape[0], W, generator=gen).to(DEV))
+    a, b = _expect_tri(lambda: _run_topk(x, lens, k))
+    _assert_same(a, b, f"tri topk W={W} k={k}")
+
+
+@pytest.mark.parametrize("pattern", TRI_PATTERNS)
+@pytest.mark.parametrize("W", [W_SMALL + 3, W_SMEM])
+def test_topk_tri_patterns(pattern, W, gen, tri_always):
+    """Threshold bins within the kernel's buffer (bitmap path, ties included) and beyond it (rescan), NaN, -inf,
+    signed zeros, denormals: exact either way."""
+    for k in sorted({1, min(100, TRI_MAXK), TRI_MAXK}):
+        lens = _lengths(W, k, gen, extra_rows=1).to(DEV)
+        x = _rows16(_tri_pattern(pattern, lens.shape[0], W, gen).to(DEV))
+        a, b = _expect_tri(lambda: _run_topk(x, lens, k))
+        _assert_same(a, b, f"tri topk {pattern} W={W} k={k}")
+
+
+def test_topk_tri_not_qualifying(gen, tri_always):
+    """Rows the three-CTA kernel does not take (bf16, misaligned starts, wider rows, larger k) keep their kernels
+    in "always" mode, exact."""
+    W = SMEM_KEYS - 4
+    x = torch.randn(5, W + 4, generator=gen).to(DEV)
+    lens = torch.tensor([W, W - 1, 0, 3, W // 2], dtype=torch.int32, device=DEV)
+    k = TRI_MAXK
+    assert 2 * k <= MAXK
+    for what, xx, kk, qualifies in [("aligned", x[:, :W], k, True), ("bf16", x[:, :W].to(torch.bfloat16), k, False),
+                                    ("misaligned", x[:, 1:], k, False), ("k", x[:, :W], 2 * k, False),
+                                    ("wide", torch.randn(3, SMEM_KEYS + 1, generator=gen).to(DEV), k, False)]:
+        a, b = _expect_tri(lambda: _run_topk(xx, lens[: xx.shape[0]], kk), qualifies)
+        _assert_same(a, b, f"tri mode, {what} rows")
+
+
+@pytest.mark.parametrize("cbs", [8, 16, 32, 64])
+@pytest.mark.parametrize("nb_width", [W_SMALL, SMEM_KEYS])
+@pytest.mark.parametrize("holes", [False, True])
+def test_sparse_topk_tri(cbs, nb_width, holes, gen, tri_always):
+    nb = max(1, nb_width // cbs)
+    x, blocks, lens = _sparse_case(6, nb, cbs, gen, holes)
+    for k in sorted({1, min(64, TRI_MAXK), TRI_MAXK}):
+        a, b = _expect_tri(lambda: _run_sparse(x.to(DEV), blocks.to(DEV), cbs, lens.to(DEV), k))
+        _assert_same(a, b, f"tri sparse cbs={cbs} nb={nb} k={k} holes={holes}")
+
+
+@pytest.mark.parametrize("pattern", ["few_values", "one_bin", "specials", "all_equal", "rounded"])
+@pytest.mark.parametrize("disorder", ["none", "shuffled"])
+def test_sparse_topk_tri_ties(pattern, disorder, gen, tri_always):
+    """Ties in and beyond the kernel's bin buffer; shuffled candidate lists (out of contract: distinct scores
+    only, so the output must still be the reference's)."""
+    cbs = 16
+    nb = SMEM_KEYS // cbs
+    x, blocks, lens = _sparse_case(4, nb, cbs, gen, holes=True)
+    pos, valid = reference._sparse_positions(blocks, cbs, lens.long().clamp(min=0))
+    if disorder == "shuffled":
+        for r in range(blocks.shape[0]):
+            blocks[r] = blocks[r][torch.randperm(nb, generator=gen)]
+        x = x + torch.arange(x.numel(), dtype=torch.float32).view_as(x) * 1e-3
+    else:
+        x = torch.where(valid, _tri_pattern(pattern, 4, nb * cbs, gen), x)
+    a, b = _expect_tri(lambda: _run_sparse(x.to(DEV), blocks.to(DEV), cbs, lens.to(DEV), TRI_MAXK))
+    _assert_same(a, b, f"tri sparse {pattern} {disorder}")
+
+
+def test_tri_bitwise_repeatable(gen, tri_always):
+    runs = 50 if not EMU else 3
+    W = W_SMEM
+    x = _rows16(_tri_pattern("rounded", 4, W, gen).to(DEV))
+    lens = torch.tensor([W, W - 1, W // 2, 3000 % W], dtype=torch.int32, device=DEV)
+    first = torch.empty(4, TRI_MAXK, dtype=torch.int32, device=DEV)
+    _expect_tri(lambda: ct.topk(x, lens, TRI_MAXK, first))
+    for _ in range(runs):
+        again = torch.empty_like(first)
+        ct.topk(x, lens, TRI_MAXK, again)
+        testing.assert_bitwise_equal(again, first)
+
+
+def test_tri_mode_auto(gen):
+    """"auto" takes the three-CTA kernel for batches of at least 2 x SMs rows only; "off" never."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else int(
+        os.environ.get("TSI_EMU_SMS", "2"))
+    W, k = W_SMALL, min(64, TRI_MAXK)
+    prev = ct.set_tri_mode("auto")
+    try:
+        for rows, mode, used in [(2 * sms, "auto", True), (2 * sms - 1, "auto", False), (2 * sms, "off", False)]:
+            ct.set_tri_mode(mode)
+            x = torch.randn(rows, W, generator=gen).to(DEV)
+            lens = torch.full((rows,), W, dtype=torch.int32, device=DEV)
+            a, b = _expect_tri(lambda: _run_topk(x, lens, k), used)
+            _assert_same(a, b, f"tri mode {mode}, {rows} rows")
+    finally:
+        ct.set_tri_mode(prev)
+
+
+# ----------------------------------------------------------------------------------------------------
 # block_topk
 # ----------------------------------------------------------------------------------------------------
 

@@ -36,8 +36,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tsi_block_topk.argtypes = [vp, ll, i32, i32, i32, vp, i32, vp, i32, up]
     for f in (lib.tsi_topk, lib.tsi_sparse_topk, lib.tsi_block_topk, lib.tsi_topk_version, lib.tsi_topk_max_k,
               lib.tsi_topk_smem_keys, lib.tsi_topk_cand_cap, lib.tsi_topk_cluster_max, lib.tsi_topk_set_cluster_mode,
-              lib.tsi_topk_set_sampled, lib.tsi_topk_set_wide_mode, lib.tsi_topk_wide_threads):
+              lib.tsi_topk_set_sampled, lib.tsi_topk_set_wide_mode, lib.tsi_topk_wide_threads,
+              lib.tsi_topk_set_tri_mode, lib.tsi_topk_tri_max_k, lib.tsi_topk_tri_blocks_per_sm,
+              lib.tsi_topk_tri_launches):
         f.restype = ctypes.c_int
+    lib.tsi_topk_set_tri_mode.argtypes = [i32]
     lib.tsi_topk_set_cluster_mode.argtypes = [i32]
     lib.tsi_topk_set_wide_mode.argtypes = [i32]
     lib.tsi_topk_set_sampled.argtypes = [i32]
@@ -72,12 +75,13 @@ def tuning() -> dict:
     """The library's path thresholds: ``smem_keys`` (rows selected in shared memory), ``cand_cap`` and
     ``cluster_max`` (``topk`` rows of ``smem_keys < width <= cluster_max * smem_keys`` columns are split over
     a cluster of CTAs, each holding one slice in shared memory), ``wide_threads`` (the CTA size of the wide
-    mode, :func:`set_wide_mode`)."""
+    mode, :func:`set_wide_mode`), ``tri_max_k`` (the largest ``k`` of the three-CTA kernel, :func:`set_tri_mode`)."""
     if not available():
         return {}
     return {"smem_keys": int(_LIB.lib.tsi_topk_smem_keys()), "cand_cap": int(_LIB.lib.tsi_topk_cand_cap()),
             "cluster_max": int(_LIB.lib.tsi_topk_cluster_max()),
-            "wide_threads": int(_LIB.lib.tsi_topk_wide_threads())}
+            "wide_threads": int(_LIB.lib.tsi_topk_wide_threads()),
+            "tri_max_k": int(_LIB.lib.tsi_topk_tri_max_k())}
 
 
 CLUSTER_MODES = ("off", "auto", "always")
@@ -109,6 +113,33 @@ def set_wide_mode(mode: str) -> str:
     if not available():
         return "auto"
     return WIDE_MODES[_LIB.lib.tsi_topk_set_wide_mode(WIDE_MODES.index(mode))]
+
+
+TRI_MODES = ("off", "auto", "always")
+
+
+def set_tri_mode(mode: str) -> str:
+    """Whether ``topk`` and ``sparse_topk`` rows that fit in shared memory run on the three-CTA kernel (16-bit keys in
+    shared memory, three CTAs per SM instead of two): ``"off"`` (the default until it is measured on the H200),
+    ``"auto"`` (batches of at least 2 x SMs rows) or ``"always"``. Only fp32 rows with 16-byte aligned starts and
+    strides, ``width <= smem_keys`` and ``k <= tuning()["tri_max_k"]`` qualify; others keep their kernel. Results
+    are identical in every mode. Returns the previous mode. For benchmarks and tests that compare the paths."""
+    if mode not in TRI_MODES:
+        raise ValueError(f"mode: expected one of {TRI_MODES}, got {mode!r}")
+    if not available():
+        return "off"
+    return TRI_MODES[_LIB.lib.tsi_topk_set_tri_mode(TRI_MODES.index(mode))]
+
+
+def tri_blocks_per_sm() -> int:
+    """CTAs per SM that the three-CTA kernel reaches on the current GPU (it is built for three); -1 where that
+    cannot be queried (no GPU, emulation builds)."""
+    return int(_LIB.lib.tsi_topk_tri_blocks_per_sm()) if available() else -1
+
+
+def tri_launches() -> int:
+    """Launches of the three-CTA kernel so far in this process (tests check that a mode reaches it)."""
+    return int(_LIB.lib.tsi_topk_tri_launches()) if available() else 0
 
 
 def set_sampled(on: bool) -> bool:
