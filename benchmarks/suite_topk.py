@@ -14,11 +14,11 @@ per-row lengths: ``masked_fill`` then ``torch.topk``; for ``block_topk`` a maske
 scores: the measured floor). Rows longer than the shared-memory limit are also timed on each path the
 library can take for them: ``cuda cluster`` / ``cuda one-CTA`` (cluster mode forced on / off) and
 ``cuda two-pass`` (one CTA, sampled threshold off: the row read twice); fp32 rows of at most ``smem_keys``
-columns on ``cuda three-CTA`` and ``cuda two-CTA`` (``cuda_topk.set_tri_mode`` "always" / "off"). ``floor_us`` = score bytes / copy
-bandwidth; ``x_torch`` = torch.topk+mask time / ours; ``x_read`` = our time / amax time. Times: median of
-CUDA-graph replays, L2 flushed; ``kernel_us`` (ours and ``amax``) = the kernels' own GPU time from a profiler
-trace, L2 flushed, without launch and graph overheads. ``check``: our output equals ``reference.py`` on the first rows. ``--quick``
-shrinks the shapes.
+columns also on ``cuda three-CTA`` and ``cuda two-CTA`` (``cuda_topk.set_tri_mode`` "always" / "off").
+``floor_us`` = score bytes / copy bandwidth; ``x_torch`` = torch.topk+mask time / ours; ``x_read`` = our time /
+amax time. Times: median of CUDA-graph replays, L2 flushed; ``kernel_us`` (ours and ``amax``) = the kernels' own
+GPU time from a profiler trace, L2 flushed, without launch and graph overheads. ``check``: our output equals
+``reference.py`` on the first rows. ``--quick`` shrinks the shapes.
 ``TSI_BENCH_TOPK_TARGETS=1``: the issue's target shapes only, ours and ``amax`` only (to compare builds of
 the library, picked with ``TORCH_SPARSE_INDEXER_TOPK_LIB``, in one device call).
 
@@ -176,7 +176,8 @@ def _topk_case(R, W, k, dtype, gen, pattern=None):
     t = ct.tuning()
     alts = []  # the same rows on each path: (impl, modes)
     if t["smem_keys"] < W <= t["cluster_max"] * t["smem_keys"]:
-        alts += [("cuda cluster", dict(cluster="always", wide="off")), ("cuda one-CTA", dict(cluster="off", wide="off"))]
+        alts += [("cuda cluster", dict(cluster="always", wide="off")),
+                 ("cuda one-CTA", dict(cluster="off", wide="off"))]
     if W > t["smem_keys"]:
         alts.append(("cuda two-pass", dict(cluster="off", sampled=False, wide="off")))
     if W > t["smem_keys"] and R < 2 * torch.cuda.get_device_properties(DEV).multi_processor_count:

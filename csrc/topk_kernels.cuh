@@ -2250,9 +2250,11 @@ __device__ void tri_bitmap_select(Smem& sm, const Src& src, const uint16_t* K16,
     }
   }
   __syncthreads();
+  TSI_MARK(26);
   const Marks mk{BI, G, Q};
   const Thresh t =
       resolve(sm, 11, B, need, [&](int L, uint32_t P) { smem_hist(sm, BK, (int)c, L, P); }, false, BK, (int)c, &mk);
+  TSI_MARK(13);
   if (!t.marked) mark_selected(G, Q, BK, BI, (int)c, t);
   bitmap_emit<1>(sm, G, Q, W, t.need_eq, emit);
 }
@@ -2277,13 +2279,18 @@ __global__ void __launch_bounds__(THREADS, TRI_MINB) topk_tri_kernel(Params p) {
   }
   uint16_t* K16 = reinterpret_cast<uint16_t*>(sm.region);
   uint32_t* stage = sm.region + TRI_K16_WORDS;
+  TSI_MARK(10);
   tri_load(sm, src, K16);
+  TSI_MARK(11);
   find_bin<NBINS>(sm, (uint32_t)kk);
+  TSI_MARK(12);
   const uint32_t total = sm.ctl[3];
   if (total <= (uint32_t)kk || sm.ctl[2] <= (uint32_t)TRI_BIN) {
     tri_bitmap_select(sm, src, K16, src.m, (uint32_t)kk, total <= (uint32_t)kk,
                       [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
+    TSI_MARK(15);
     write_staged(sm, src, stage, total <= (uint32_t)kk ? (int)total : kk, out, kk);
+    TSI_MARK(14);
     return;
   }
   int par = 0;

@@ -4,10 +4,12 @@ Prints, per shape, the cycles between the recorded points (sampled mode: 0 start
 2 threshold, 3 pass done, 4 exact threshold, 5 selection marked in the bitmaps, 6 output; shared-memory mode:
 10 start, 11 row loaded + histogram, 12 coarse bin, 13 exact threshold, 15 selection staged (bitmap path),
 14 output written (sparse_topk rows: positions from the candidate ids and the order check); inside phases: 20 buffer
-histogram, 21 its bin, 22 warp_select's gather, 23-25 sample_tau's steps), in time order, then from %globaltimer:
+histogram, 21 its bin, 22 warp_select's gather, 23-25 sample_tau's steps, 26 the three-CTA kernel's gather of the
+threshold bin's keys from L2), in time order, then from %globaltimer:
 the kernel's span (first CTA start to last CTA end), the spread of CTA starts, and CTA durations
 (median, max). L2 is flushed before each launch. Every shape runs with the wide CTAs off; decode shapes (fewer rows
-than 2 x SMs) once more on them (``cuda_topk.set_wide_mode("always")``), labelled ``wide``. Usage: python
+than 2 x SMs) once more on them (``cuda_topk.set_wide_mode("always")``), labelled ``wide``; 16K and sparse shapes
+once more on the three-CTA kernel (``cuda_topk.set_tri_mode("always")``), labelled ``tri``. Usage: python
 scripts/phase_topk.py  (on the GPU machine)."""
 import ctypes
 import statistics
@@ -26,9 +28,12 @@ lib.tsi_topk_phase_spans.argtypes = [ctypes.c_void_p, ctypes.c_int]
 g = torch.Generator().manual_seed(0)
 scrub = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
-RUNS = [(s, "off") for s in SHAPES] + [(s, "always") for s in SHAPES if s[0] != "sparse" and s[0] < 2 * SMS]
-for shape, wide in RUNS:
+RUNS = ([(s, "off", "off") for s in SHAPES]
+        + [(s, "always", "off") for s in SHAPES if s[0] != "sparse" and s[0] < 2 * SMS]
+        + [(s, "off", "always") for s in SHAPES if s[0] == "sparse" or s[1] <= ct.tuning()["smem_keys"]])
+for shape, wide, tri in RUNS:
     ct.set_wide_mode(wide)
+    ct.set_tri_mode(tri)
     sparse = shape[0] == "sparse"
     R, W = (shape[1], shape[2] * shape[3]) if sparse else shape
     x = torch.randn(R, W, generator=g).cuda()
@@ -57,7 +62,7 @@ for shape, wide in RUNS:
     pts = [i for i in range(32) if v[i]]
     pts.sort(key=lambda i: v[i])  # in time order (points inside phases have numbers >= 20)
     steps = [f"{a}->{b}: {(v[b] - v[a]) / MHZ:.2f} us" for a, b in zip(pts, pts[1:])]
-    label = ("sparse " if sparse else "") + ("wide " if wide == "always" else "")
+    label = ("sparse " if sparse else "") + ("wide " if wide == "always" else "") + ("tri " if tri == "always" else "")
     print(f"{label}{R}x{W}: rc={rc} points={pts} " + ", ".join(steps), flush=True)
     s = list(spans)
     starts, ends = s[0::2], s[1::2]
