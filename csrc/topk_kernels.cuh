@@ -2078,10 +2078,15 @@ constexpr int TRI_LIST = SMEM_KEYS / 8;        // the largest k (2048 with SMEM_
 constexpr int TRI_BIN = (SMEM_KEYS - TRI_K16_WORDS - TRI_LIST - 2 * SMEM_WORDS) / 2 & ~3;  // bin buffer entries
 constexpr int TRI_MINB = 3;                    // CTAs per SM the kernel is built for
 
-// 16-bit key: the top half of the 32-bit key, NaN (key 1) kept apart from "no element" (0). Its top 11 bits are
-// the key's. Key i lives in 16-byte group kgroup(i >> 3) of K16 (thread t's sweep reads groups 4t .. 4t + 3:
-// eight lanes meet eight different bank groups).
-__device__ __forceinline__ uint32_t k16_of(uint32_t key) { return (key >> 16) | (uint32_t)(key == 1u); }
+// 16-bit key of fp32 bits b: the top half of f32_key(b), NaN (key 1) kept apart from "no element" (0) as 1. Its
+// top 11 bits are the key's (k16 >> 5 == key >> 21). Key i lives in 16-byte group kgroup(i >> 3) of K16 (thread
+// t's sweep reads groups 4t .. 4t + 3: eight lanes meet eight different bank groups).
+__device__ __forceinline__ uint32_t f32_key16(uint32_t b) {
+  const float x = __uint_as_float(b) + 0.0f;
+  b = __float_as_uint(x);
+  const uint32_t k = b ^ ((uint32_t)((int32_t)b >> 31) | 0x80000000u);
+  return x != x ? 1u : k >> 16;
+}
 __device__ __forceinline__ int k16_slot(int i) { return (kgroup(i >> 3) << 3) | (i & 7); }
 
 // cp_async_wait<n> for a run-time n < 8 (the rounds of tri_load).
@@ -2136,20 +2141,20 @@ __device__ void tri_load(Smem& sm, const Src& src, uint16_t* K16) {
     cp_async_wait_n(NU - 1 - u);
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (have) v = *reinterpret_cast<const uint4*>(raw + 4 * c);
-    const uint32_t k0 = f32_key(v.x), k1 = f32_key(v.y), k2 = f32_key(v.z), k3 = f32_key(v.w);
+    const uint32_t k0 = f32_key16(v.x), k1 = f32_key16(v.y), k2 = f32_key16(v.z), k3 = f32_key16(v.w);
     if (have) {
-      atomicAdd(&sm.hist[k0 >> 21], 1u);
-      atomicAdd(&sm.hist[k1 >> 21], 1u);
-      atomicAdd(&sm.hist[k2 >> 21], 1u);
-      atomicAdd(&sm.hist[k3 >> 21], 1u);
+      atomicAdd(&sm.hist[k0 >> 5], 1u);
+      atomicAdd(&sm.hist[k1 >> 5], 1u);
+      atomicAdd(&sm.hist[k2 >> 5], 1u);
+      atomicAdd(&sm.hist[k3 >> 5], 1u);
     }
     // Round r's raw chunks take the stores of rounds 2r and 2r + 1: every thread reads them before any of those
     // stores. Rounds past the first half are never stored over (their reads need no barrier).
     if (u < (NU + 1) / 2) __syncthreads();
     if (have) {
       uint2 w;
-      w.x = k16_of(k0) | (k16_of(k1) << 16);
-      w.y = k16_of(k2) | (k16_of(k3) << 16);
+      w.x = k0 | (k1 << 16);
+      w.y = k2 | (k3 << 16);
       *reinterpret_cast<uint2*>(K16 + k16_slot(4 * c)) = w;
     }
   }
@@ -2157,9 +2162,9 @@ __device__ void tri_load(Smem& sm, const Src& src, uint16_t* K16) {
   if constexpr (Src::KIND == DENSE) {
     if (tid == 0)
       for (int i = 4 * nfull; i < m; ++i) {  // the partial last chunk
-        const uint32_t key = f32_key(DT<float>::load1(src.ch.row, i));
-        K16[k16_slot(i)] = (uint16_t)k16_of(key);
-        atomicAdd(&sm.hist[key >> 21], 1u);
+        const uint32_t k = f32_key16(DT<float>::load1(src.ch.row, i));
+        K16[k16_slot(i)] = (uint16_t)k;
+        atomicAdd(&sm.hist[k >> 5], 1u);
       }
   }
   for (int i = m + tid; i < round32(m); i += THREADS) K16[k16_slot(i)] = 0;

@@ -9,6 +9,7 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -51,12 +52,23 @@ struct Warp {
 };
 
 struct Block {
-  explicit Block(int nthreads, int smem_bytes) : bar(nthreads), smem(smem_bytes + 16) {
+  // Shared memory is followed by a guard band: a kernel that touches bytes past the dynamic size it was launched
+  // with (which the GPU reports as an illegal address, or not at all) fails the check after the block.
+  static constexpr size_t kGuard = 4096;
+  explicit Block(int nthreads, int smem_bytes) : bar(nthreads), smem(smem_bytes + kGuard), size(smem_bytes) {
     for (size_t i = 0; i < smem.size(); ++i) smem[i] = (unsigned char)(0xA5 ^ (i * 131));
     for (int w = 0; w < nthreads / 32; ++w) warps.emplace_back(new Warp());
   }
+  ~Block() {
+    for (size_t i = size; i < smem.size(); ++i)
+      if (smem[i] != (unsigned char)(0xA5 ^ (i * 131))) {
+        std::fprintf(stderr, "emulated kernel wrote shared memory byte %zu past its %zu launched bytes\n", i, size);
+        std::abort();
+      }
+  }
   std::barrier<> bar;
   std::vector<unsigned char> smem;
+  size_t size;  // launched dynamic shared memory bytes
   std::vector<std::unique_ptr<Warp>> warps;
   std::atomic<int> vote{0};  // __syncthreads_or / __syncthreads_and
   uint32_t scratch[2 * 4 * 128];  // emulated collective operations (the scoring kernels' wgmma)
