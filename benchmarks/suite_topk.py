@@ -13,8 +13,8 @@ per-row lengths: ``masked_fill`` then ``torch.topk``; for ``block_topk`` a maske
 ``torch.topk``), ``torch.topk`` (no lengths at all: a lower bound for torch) and ``amax`` (one read of the
 scores: the measured floor). Rows longer than the shared-memory limit are also timed on each path the
 library can take for them: ``cuda cluster`` / ``cuda one-CTA`` (cluster mode forced on / off) and
-``cuda two-pass`` (one CTA, sampled threshold off: the row read twice); fp32 rows of at most ``smem_keys``
-columns also on ``cuda three-CTA`` and ``cuda two-CTA`` (``cuda_topk.set_tri_mode`` "always" / "off").
+``cuda two-pass`` (one CTA, sampled threshold off: the row read twice); rows of at most ``smem_keys`` columns
+also on ``cuda three-CTA`` and ``cuda two-CTA`` (``cuda_topk.set_tri_mode`` "always" / "off").
 ``floor_us`` = score bytes / copy bandwidth; ``x_torch`` = torch.topk+mask time / ours; ``x_read`` = our time /
 amax time. Times: median of CUDA-graph replays, L2 flushed; ``kernel_us`` (ours and ``amax``) = the kernels' own
 GPU time from a profiler trace, L2 flushed, without launch and graph overheads. ``check``: our output equals
@@ -183,7 +183,7 @@ def _topk_case(R, W, k, dtype, gen, pattern=None):
     if W > t["smem_keys"] and R < 2 * torch.cuda.get_device_properties(DEV).multi_processor_count:
         # the default ("auto") takes the wide CTAs for at most SMs / 2 rows: both CTA sizes on every decode batch
         alts += [("cuda 512 threads", dict(wide="off")), (f"cuda {t['wide_threads']} threads", dict(wide="always"))]
-    alts += _tri_alts(W, k, dtype)
+    alts += _tri_alts(W, k)
     cuda = rows[0]
     if pattern is None:  # target shapes too: the public baseline is part of what the issue asks to report
         rows += _flashinfer_rows(x, lens, k, shape, cuda, expected)
@@ -196,11 +196,11 @@ _SETTERS = {"cluster": ct.set_cluster_mode, "sampled": ct.set_sampled, "wide": c
             "tri": ct.set_tri_mode}
 
 
-def _tri_alts(W, k, dtype):
-    """Rows the three-CTA kernel can take (``cuda_topk.set_tri_mode``): timed on it and on the two-CTA kernel, so
-    that both show whichever is the default."""
+def _tri_alts(W, k):
+    """Rows the three-CTA kernel can take (``cuda_topk.set_tri_mode``; the suite's rows are 16-byte aligned): timed
+    on it and on the two-CTA kernel, so that both show whichever is the default."""
     t = ct.tuning()
-    if W > t["smem_keys"] or k > t["tri_max_k"] or dtype != torch.float32:
+    if W > t["smem_keys"] or k > t["tri_max_k"]:
         return []
     return [("cuda three-CTA", dict(tri="always")), ("cuda two-CTA", dict(tri="off"))]
 
@@ -237,7 +237,7 @@ def _sparse_case(R, nb, cbs, k, gen):
     shape = f"{R}x{nb}blk*{cbs}"
     rows = _rows("sparse_topk", shape, k, x, ours, lambda: torch.topk(_mask(x, valid), k, dim=1),
                  lambda: torch.topk(x, k, dim=1), check)
-    for impl, modes in _tri_alts(W, k, x.dtype):
+    for impl, modes in _tri_alts(W, k):
         rows.append(_alt_row("sparse_topk", shape, k, ours, out, expected, rows[0], impl, modes))
     return rows
 

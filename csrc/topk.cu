@@ -199,14 +199,14 @@ bool aligned16(const void* ptr, long long stride, int esize) {
 // Three CTAs per SM for batches of shared-memory rows (tsi::topk_tri_kernel: 16-bit keys in shared memory, ~70 KB
 // per CTA instead of ~107): 0 = off (the default until it is measured on the H200), 1 = auto (batches of at least
 // 2 x SMs rows, where the one-CTA-per-row kernel runs two CTAs per SM), 2 = whenever the rows qualify (tests).
-// Rows qualify when they are fp32 with 16-byte aligned starts and stride, width <= smem_keys and k <= tri_max_k.
+// Rows qualify when their starts and stride are 16-byte aligned, width <= smem_keys and k <= tri_max_k.
 int g_tri_mode = 0;
 
 constexpr int kTriSmem = (int)(offsetof(tsi::Smem, region) + sizeof(uint32_t) * tsi::SMEM_KEYS);
 
 bool tri_rows(const Params& p, int dtype, int dev) {
-  if (g_tri_mode == 0 || dtype != 0 || p.width > tsi::SMEM_KEYS || p.kk > tsi::TRI_LIST ||
-      !aligned16(p.logits, p.row_stride, 4))
+  if (g_tri_mode == 0 || p.width > tsi::SMEM_KEYS || p.kk > tsi::TRI_LIST ||
+      !aligned16(p.logits, p.row_stride, dtype == 0 ? 4 : 2))
     return false;
   return g_tri_mode == 2 || p.rows >= 2 * sm_count(dev);
 }
@@ -306,7 +306,9 @@ int tsi_topk(const void* logits, long long row_stride, int rows, int width, int 
   cluster_shape(rows, width, dev, &C, &S);
   if (C > 0)
     return dtype == 0 ? launch_cluster<float>(p, s, dev, C, S) : launch_cluster<tsi::bf16_tag>(p, s, dev, C, S);
-  if (tri_rows(p, dtype, dev)) return launch_tri<tsi::DenseSrc<float>>(p, s, dev);
+  if (tri_rows(p, dtype, dev))
+    return dtype == 0 ? launch_tri<tsi::DenseSrc<float>>(p, s, dev)
+                      : launch_tri<tsi::DenseSrc<tsi::bf16_tag>>(p, s, dev);
   return dtype == 0 ? launch_dense<float>(p, s, dev) : launch_dense<tsi::bf16_tag>(p, s, dev);
 }
 
@@ -385,7 +387,9 @@ int tsi_sparse_topk(const void* logits, long long row_stride, int rows, int dtyp
   if (rows == 0) return cudaSuccess;
   int dev;
   if (cudaError_t e = current_device(&dev); e != cudaSuccess) return e;
-  if (tri_rows(p, dtype, dev)) return launch_tri<tsi::SparseSrc<float>>(p, s, dev);
+  if (tri_rows(p, dtype, dev))
+    return dtype == 0 ? launch_tri<tsi::SparseSrc<float>>(p, s, dev)
+                      : launch_tri<tsi::SparseSrc<tsi::bf16_tag>>(p, s, dev);
   return dtype == 0 ? launch_on<tsi::SparseSrc<float>>(p, s, dev) : launch_on<tsi::SparseSrc<tsi::bf16_tag>>(p, s, dev);
 }
 

@@ -273,6 +273,7 @@ struct Chunks {
 
 template <typename T>
 struct DenseSrc {
+  using Elem = T;
   static constexpr int KIND = DENSE;
   static constexpr int E = DT<T>::V;
   Chunks<T> ch;
@@ -2064,15 +2065,16 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
 // ------------------------------------------------------------------------------------------------
 // Three CTAs per SM: shared-memory rows with 16-bit keys (topk_tri_kernel)
 // ------------------------------------------------------------------------------------------------
-// Batches of fp32 rows of at most SMEM_KEYS columns (16-byte aligned, k <= TRI_LIST; the host picks this kernel).
-// topk_kernel holds such a row as 32-bit keys (~107 KB per CTA: two CTAs per SM), and its kernel time follows the
-// CTA time per row, of which the selection after the load is more than half (NOTES.md, run 92): a third CTA per SM
-// overlaps more of those latency-bound phases. Here the row is copied raw by cp.async into the region (SMEM_KEYS
-// words: exactly one row) and converted in place, round by round, to 16-bit keys (the top half of each 32-bit key)
-// in the region's first half; the second half then holds the staged output, the bitmaps and the threshold bin's
-// buffer (~70 KB per CTA). The top digit (11 bits) comes from the 16-bit keys, exactly; the threshold bin's full
-// keys are read again from global memory (the row was just read: L2), and the rest is smem_bitmap_select's.
-// Threshold bins larger than the buffer (massive ties) are resolved by rescanning the row (rescan_select).
+// Batches of fp32 or bf16 rows of at most SMEM_KEYS columns (16-byte aligned, k <= TRI_LIST; the host picks this
+// kernel). topk_kernel holds such a row as 32-bit keys (~107 KB per CTA: two CTAs per SM), and its kernel time
+// follows the CTA time per row, of which the selection after the load is more than half (NOTES.md, run 92): a third
+// CTA per SM overlaps more of those latency-bound phases. Here an fp32 row is copied raw by cp.async into the region
+// (SMEM_KEYS words: exactly one row) and converted in place, round by round, to 16-bit keys (the top half of each
+// 32-bit key) in the region's first half; a bf16 row lands there directly (its 16-bit keys are its whole keys). The
+// second half then holds the staged output, the bitmaps and the threshold bin's buffer (~73 KB per CTA in all). The
+// top digit (11 bits) comes from the 16-bit keys, exactly; an fp32 row's threshold bin has its full keys read again
+// from global memory (the row was just read: L2), and the rest is smem_bitmap_select's. Threshold bins larger than
+// the buffer (massive ties) are resolved by rescanning the row (rescan_select).
 constexpr int TRI_K16_WORDS = SMEM_KEYS / 2;  // the 16-bit keys
 constexpr int TRI_LIST = SMEM_KEYS / 8;        // the largest k (2048 with SMEM_KEYS = 16384)
 constexpr int TRI_BIN = (SMEM_KEYS - TRI_K16_WORDS - TRI_LIST - 2 * SMEM_WORDS) / 2 & ~3;  // bin buffer entries
@@ -2111,11 +2113,12 @@ __device__ __forceinline__ void cp_async_wait_n(int n) {
 // takes the invalid columns of its own blocks out again. Ends with a barrier.
 template <class Src>
 __device__ void tri_load(Smem& sm, const Src& src, uint16_t* K16) {
-  static_assert(Src::E == 4, "fp32 chunks");
-  constexpr int NU = SMEM_KEYS / 4 / THREADS;  // rounds: one chunk per thread each
-  static_assert(NU >= 1 && NU <= 8 && SMEM_KEYS % (4 * THREADS) == 0, "at most 8 commit groups");
+  constexpr bool F32 = Src::E == 4;  // else bf16: 8 scores per chunk, already 16-bit keys' size
+  static_assert(Src::E == 4 || Src::E == 8, "fp32 or bf16 chunks");
+  constexpr int NU = SMEM_KEYS / Src::E / THREADS;  // rounds: one chunk per thread each
+  static_assert(NU >= 1 && NU <= 8 && SMEM_KEYS % (Src::E * THREADS) == 0, "at most 8 commit groups");
   constexpr int NBT = (SMEM_KEYS / 8 + THREADS - 1) / THREADS;  // candidate blocks per thread (blocks of >= 8)
-  const int m = src.m, nfull = m >> 2, tid = (int)threadIdx.x;
+  const int m = src.m, nfull = m / Src::E, tid = (int)threadIdx.x;
   int ids[NBT];
   if constexpr (Src::KIND == SPARSE) {
 #pragma unroll
@@ -2124,11 +2127,13 @@ __device__ void tri_load(Smem& sm, const Src& src, uint16_t* K16) {
       ids[j] = b < ((m + src.cbs - 1) >> src.lcbs) ? __ldg(src.blk + b) : -1;
     }
   }
+  // fp32: chunk c lands raw at words [4c, 4c + 4); bf16: at its keys' own 16-byte group, converted in place.
   uint32_t* raw = sm.region;
+  auto slot = [&](int c) { return F32 ? raw + 4 * c : reinterpret_cast<uint32_t*>(K16 + 8 * kgroup(c)); };
 #pragma unroll
   for (int u = 0; u < NU; ++u) {
     const int c = u * THREADS + tid;
-    if (c < nfull) cp_async<16>(raw + 4 * c, src.ch.abase + (long long)c * 16);
+    if (c < nfull) cp_async<16>(slot(c), src.ch.abase + (long long)c * 16);
     cp_async_commit();
   }
   clear_hist(sm);
@@ -2140,29 +2145,42 @@ __device__ void tri_load(Smem& sm, const Src& src, uint16_t* K16) {
     const bool have = c < nfull;
     cp_async_wait_n(NU - 1 - u);
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (have) v = *reinterpret_cast<const uint4*>(raw + 4 * c);
-    const uint32_t k0 = f32_key16(v.x), k1 = f32_key16(v.y), k2 = f32_key16(v.z), k3 = f32_key16(v.w);
-    if (have) {
-      atomicAdd(&sm.hist[k0 >> 5], 1u);
-      atomicAdd(&sm.hist[k1 >> 5], 1u);
-      atomicAdd(&sm.hist[k2 >> 5], 1u);
-      atomicAdd(&sm.hist[k3 >> 5], 1u);
-    }
-    // Round r's raw chunks take the stores of rounds 2r and 2r + 1: every thread reads them before any of those
-    // stores. Rounds past the first half are never stored over (their reads need no barrier).
-    if (u < (NU + 1) / 2) __syncthreads();
-    if (have) {
-      uint2 w;
-      w.x = k0 | (k1 << 16);
-      w.y = k2 | (k3 << 16);
-      *reinterpret_cast<uint2*>(K16 + k16_slot(4 * c)) = w;
+    if (have) v = *reinterpret_cast<const uint4*>(slot(c));
+    if constexpr (F32) {
+      const uint32_t k0 = f32_key16(v.x), k1 = f32_key16(v.y), k2 = f32_key16(v.z), k3 = f32_key16(v.w);
+      if (have) {
+        atomicAdd(&sm.hist[k0 >> 5], 1u);
+        atomicAdd(&sm.hist[k1 >> 5], 1u);
+        atomicAdd(&sm.hist[k2 >> 5], 1u);
+        atomicAdd(&sm.hist[k3 >> 5], 1u);
+      }
+      // Round r's raw chunks take the stores of rounds 2r and 2r + 1: every thread reads them before any of those
+      // stores. Rounds past the first half are never stored over (their reads need no barrier).
+      if (u < (NU + 1) / 2) __syncthreads();
+      if (have) {
+        uint2 w;
+        w.x = k0 | (k1 << 16);
+        w.y = k2 | (k3 << 16);
+        *reinterpret_cast<uint2*>(K16 + k16_slot(4 * c)) = w;
+      }
+    } else if (have) {  // each thread's own chunk, in place: no barrier
+      uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const uint32_t lo = f32_key16(w[q] << 16), hi = f32_key16(w[q] & 0xffff0000u);
+        atomicAdd(&sm.hist[lo >> 5], 1u);
+        atomicAdd(&sm.hist[hi >> 5], 1u);
+        w[q] = lo | (hi << 16);
+      }
+      *reinterpret_cast<uint4*>(slot(c)) = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
   __syncthreads();
   if constexpr (Src::KIND == DENSE) {
     if (tid == 0)
-      for (int i = 4 * nfull; i < m; ++i) {  // the partial last chunk
-        const uint32_t k = f32_key16(DT<float>::load1(src.ch.row, i));
+      for (int i = Src::E * nfull; i < m; ++i) {  // the partial last chunk
+        const uint32_t bits = DT<typename Src::Elem>::load1(src.ch.row, i);
+        const uint32_t k = f32_key16(F32 ? bits : bits << 16);
         K16[k16_slot(i)] = (uint16_t)k;
         atomicAdd(&sm.hist[k >> 5], 1u);
       }
@@ -2238,20 +2256,29 @@ __device__ void tri_bitmap_select(Smem& sm, const Src& src, const uint16_t* K16,
     BI[o++] = (uint32_t)(32 * tid + j);
   }
   __syncthreads();
-  // The bin's full keys from global memory (the row was just read: L2 hits), two loads in flight per thread,
-  // counted by their next digit.
-  const uint32_t* row = reinterpret_cast<const uint32_t*>(src.ch.row);
-  for (int i = tid; i < (int)c; i += 2 * THREADS) {
-    const int i2 = i + THREADS;
-    const uint32_t a = __ldg(row + BI[i]);
-    const uint32_t b = i2 < (int)c ? __ldg(row + BI[i2]) : 0u;
-    const uint32_t ka = f32_key(a);
-    BK[i] = ka;
-    atomicAdd(&sm.hist[(ka >> 10) & 0x7ffu], 1u);
-    if (i2 < (int)c) {
-      const uint32_t kb = f32_key(b);
-      BK[i2] = kb;
-      atomicAdd(&sm.hist[(kb >> 10) & 0x7ffu], 1u);
+  if constexpr (Src::E == 4) {
+    // The bin's full keys from global memory (the row was just read: L2 hits), two loads in flight per thread,
+    // counted by their next digit.
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(src.ch.row);
+    for (int i = tid; i < (int)c; i += 2 * THREADS) {
+      const int i2 = i + THREADS;
+      const uint32_t a = __ldg(row + BI[i]);
+      const uint32_t b = i2 < (int)c ? __ldg(row + BI[i2]) : 0u;
+      const uint32_t ka = f32_key(a);
+      BK[i] = ka;
+      atomicAdd(&sm.hist[(ka >> 10) & 0x7ffu], 1u);
+      if (i2 < (int)c) {
+        const uint32_t kb = f32_key(b);
+        BK[i2] = kb;
+        atomicAdd(&sm.hist[(kb >> 10) & 0x7ffu], 1u);
+      }
+    }
+  } else {  // bf16: the 16-bit key is the whole key (NaN's is 1)
+    for (int i = tid; i < (int)c; i += THREADS) {
+      const uint32_t k = K16[k16_slot((int)BI[i])];
+      const uint32_t key = k == 1u ? 1u : k << 16;
+      BK[i] = key;
+      atomicAdd(&sm.hist[(key >> 10) & 0x7ffu], 1u);
     }
   }
   __syncthreads();
@@ -2270,7 +2297,7 @@ __global__ void __launch_bounds__(THREADS, TRI_MINB) topk_tri_kernel(Params p) {
                 "the selection's buffers fit in the second half of the raw row");
   static_assert(SMEM_WORDS <= THREADS && TRI_LIST <= LIST_CAP && (TRI_LIST & (TRI_LIST - 1)) == 0,
                 "one bitmap word per thread; the staged output sorts in place");
-  constexpr int U = TSI_U2;  // the rescan's tiles per batch
+  constexpr int U = TSI_U2 / (Src::E == 8 ? 2 : 1);  // the rescan's tiles per batch (bf16 items: 8 keys)
   TSI_DYN_SMEM(smem_raw);
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);  // only region[0, SMEM_KEYS) is allocated (TRI_SMEM_BYTES)
   TSI_SPAN;
