@@ -15,8 +15,9 @@ timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_topk
 TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_FLASHINFER=0 timeout 150 python3 benchmarks/bench.py --suite topk --out "$OUT" \
   > "$OUT/topk_bench.log" 2>&1
 grep "^\[topk\]" "$OUT/topk_bench.log"
-[ -f torch_sparse_indexer/_C/phase_topk.so ] && TORCH_SPARSE_INDEXER_TOPK_LIB="$PWD/torch_sparse_indexer/_C/phase_topk.so" \
-  timeout 80 python3 scripts/phase_topk.py > "$OUT/phase.log" 2>&1; tail -n 40 "$OUT/phase.log"
+phase=torch_sparse_indexer/_C/phase_topk.so
+[ -f $phase ] && TORCH_SPARSE_INDEXER_TOPK_LIB="$PWD/$phase" timeout 80 python3 scripts/phase_topk.py \
+  > "$OUT/phase.log" 2>&1; tail -n 40 "$OUT/phase.log"
 TSI_BENCH_ONLY=cache TSI_BENCH_FAST=1 timeout 100 python3 benchmarks/bench.py --suite scoring --out "$OUT/cache" \
   > "$OUT/cache.log" 2>&1
 grep -E "write_k_cache|gather_k" "$OUT/cache.log" | tail -n 30

@@ -196,7 +196,7 @@ bool aligned16(const void* ptr, long long stride, int esize) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0 && ((stride * esize) & 15) == 0;
 }
 
-// Three CTAs per SM for batches of shared-memory rows (tsi::topk_tri_kernel: 16-bit keys in shared memory, ~70 KB
+// Three CTAs per SM for batches of shared-memory rows (tsi::topk_tri_kernel: 16-bit keys in shared memory, ~73 KB
 // per CTA instead of ~107): 0 = off (the default until it is measured on the H200), 1 = auto (batches of at least
 // 2 x SMs rows, where the one-CTA-per-row kernel runs two CTAs per SM), 2 = whenever the rows qualify (tests).
 // Rows qualify when their starts and stride are 16-byte aligned, width <= smem_keys and k <= tri_max_k.

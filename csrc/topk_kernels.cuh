@@ -2106,11 +2106,12 @@ __device__ __forceinline__ void cp_async_wait_n(int n) {
 }
 
 // One read of the row into 16-bit keys K16[0, m) (the layout of k16_slot), zeros in K16[m, m rounded up to 32),
-// the coarse histogram to sm.hist, ctl[4] = 0. Round u converts chunk u * THREADS + tid (4 scores) of the raw copy
-// to its four 16-bit keys, stored over raw chunk (u * THREADS + tid) / 2: a chunk of round u / 2, which every
-// thread read before that round's barrier (for u = 0, this round's). A sparse row's candidate block
-// ids are loaded into registers first (their DRAM latency overlaps the copies); after the conversion each thread
-// takes the invalid columns of its own blocks out again. Ends with a barrier.
+// the coarse histogram to sm.hist, ctl[4] = 0. fp32: round u converts chunk u * THREADS + tid (4 scores) of the raw
+// copy to its four 16-bit keys, stored over raw chunk (u * THREADS + tid) / 2: a chunk of round u / 2, which every
+// thread read before that round's barrier (for u = 0, this round's). bf16: a chunk (8 scores) is copied to its own
+// keys' slots and each thread converts its own chunks in place. A sparse row's candidate block ids are loaded into
+// registers first (their DRAM latency overlaps the copies); after the conversion each thread takes the invalid
+// columns of its own blocks out again. Ends with a barrier.
 template <class Src>
 __device__ void tri_load(Smem& sm, const Src& src, uint16_t* K16) {
   constexpr bool F32 = Src::E == 4;  // else bf16: 8 scores per chunk, already 16-bit keys' size
@@ -2273,7 +2274,7 @@ __device__ void tri_bitmap_select(Smem& sm, const Src& src, const uint16_t* K16,
         atomicAdd(&sm.hist[(kb >> 10) & 0x7ffu], 1u);
       }
     }
-  } else {  // bf16: the 16-bit key is the whole key (NaN's is 1)
+  } else {  // bf16: the 16-bit keys order the scores exactly; k16 << 16 stands for the key (NaN: 1)
     for (int i = tid; i < (int)c; i += THREADS) {
       const uint32_t k = K16[k16_slot((int)BI[i])];
       const uint32_t key = k == 1u ? 1u : k << 16;
@@ -2299,7 +2300,7 @@ __global__ void __launch_bounds__(THREADS, TRI_MINB) topk_tri_kernel(Params p) {
                 "one bitmap word per thread; the staged output sorts in place");
   constexpr int U = TSI_U2 / (Src::E == 8 ? 2 : 1);  // the rescan's tiles per batch (bf16 items: 8 keys)
   TSI_DYN_SMEM(smem_raw);
-  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);  // only region[0, SMEM_KEYS) is allocated (TRI_SMEM_BYTES)
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);  // only region[0, SMEM_KEYS) is allocated (topk.cu: kTriSmem)
   TSI_SPAN;
   const int row = blockIdx.x;
   Src src(p, row);

@@ -6,7 +6,7 @@ Edge cases: a request whose last block is the cache's last page (the cache is al
 read past it leaves the allocation), context lengths ending mid-page, empty rows, -1 and out-of-range block
 ids, request indices out of range, MTP rows, k larger than the row, large k, candidate lists with -1 holes and
 ids past the row, prefill rows ending at the last packed key, selection rows wide enough for the streamed
-top-k path.
+top-k path; the same selection cases again on the three-CTA top-k kernel (forced on).
 
 ``--strict-init``: caches are ``torch.empty`` and only the valid tokens are written (through
 ``write_k_cache``), packed K is exactly what ``gather_k`` writes: under initcheck any read of a byte no valid
@@ -196,6 +196,34 @@ def selection_cases(g, quick):
         launch("sparse_topk", sx, cb, cbs, lens, 2048, torch.empty(R, 2048, dtype=torch.int32, device=DEV))
 
 
+def tri_cases(g):
+    """The same selection edge cases on the three-CTA top-k kernel (off by default: cuda_topk.set_tri_mode), forced
+    on, fp32 and bf16, up to the widest rows it takes."""
+    from torch_sparse_indexer.kernels import cuda_topk as ct
+    if DEV != "cuda" or not ct.available():
+        return
+    prev = ct.set_tri_mode("always")
+    try:
+        for W in (5000, ct.tuning()["smem_keys"]):
+            R = 6
+            x = torch.randn(R, W, generator=g)
+            x[1] = 2.0                                   # all equal: the rescan path
+            x[2, ::3] = float("nan")
+            x[3, ::2] = float("-inf")
+            x = x.to(DEV)
+            lens = i32([W, 0, W - 1, 1, W + 10, -5])
+            for xx in (x, x.to(torch.bfloat16)):
+                for k in (1, 2048):
+                    launch("topk", xx, lens, k, torch.empty(R, k, dtype=torch.int32, device=DEV))
+                cbs = 16
+                nbk = W // cbs
+                cb = candidates([W] * R, nbk, cbs, g)
+                sx = xx[:, : nbk * cbs].contiguous()
+                launch("sparse_topk", sx, cb, cbs, lens, 2048, torch.empty(R, 2048, dtype=torch.int32, device=DEV))
+    finally:
+        ct.set_tri_mode(prev)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--strict-init", action="store_true")
@@ -211,6 +239,7 @@ def main():
         prefill_case(fmt, H, D, cbs, cache, bt, seqs, a.strict_init, g, topk=256)
         print(f"{fmt} H{H} D{D} bs{bs}: done ({LAUNCHES} launches, {time.time() - t0:.1f} s)", flush=True)
     selection_cases(g, a.quick)
+    tri_cases(g)
     for name in sorted(USED):
         print(f"  {name}: {sorted(USED[name])}")
     print(f"DRIVER OK {LAUNCHES} launches in {time.time() - t0:.1f} s", flush=True)

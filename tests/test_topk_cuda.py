@@ -3,7 +3,7 @@
 Covers every path the kernels choose per row (shared-memory rows, streamed rows with a buffered threshold
 bin, streamed rows whose threshold bin overflows the buffer and is rescanned, rows split over a cluster of
 CTAs, each cluster-width case also forced onto the one-CTA path; streamed rows with and without the sampled
-threshold; dense rows on the wide-CTA kernels), ties, NaN / -inf rows,
+threshold; dense rows on the wide-CTA kernels; shared-memory rows on the three-CTA kernel), ties, NaN / -inf rows,
 out-of-range lengths, padded and misaligned rows, bitwise repeatability and CUDA-graph replay. The shapes
 aim at each path through the thresholds the library exports (``cuda_topk.tuning()``).
 
