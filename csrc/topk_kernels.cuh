@@ -833,6 +833,19 @@ __device__ __forceinline__ int kgroup(int g) { return g ^ ((g >> 3) & 7); }
 __device__ __forceinline__ int kslot(int i) { return (kgroup(i >> 2) << 2) | (i & 3); }
 __device__ __forceinline__ int round32(int m) { return (m + 31) & ~31; }
 
+// The words of 16-byte groups g0 .. g0 + N - 1 of an array in that layout, into registers (four per group).
+template <int N>
+__device__ __forceinline__ void load_kgroups(const uint32_t* base, int g0, uint32_t (&w)[4 * N]) {
+#pragma unroll
+  for (int q = 0; q < N; ++q) {
+    const uint4 v = *reinterpret_cast<const uint4*>(base + 4 * kgroup(g0 + q));
+    w[4 * q] = v.x;
+    w[4 * q + 1] = v.y;
+    w[4 * q + 2] = v.z;
+    w[4 * q + 3] = v.w;
+  }
+}
+
 // Ordered selection over `count` keys in shared memory (16 consecutive keys per thread per tile), stored in
 // the K layout above if SWZ; emit(rank, index) for each selected key.
 template <bool SWZ = false, class Emit>
@@ -1166,6 +1179,15 @@ __device__ __forceinline__ void pad_out(int* out, int from, int kk) {
   for (int i = from + threadIdx.x; i < kk; i += THREADS) out[i] = -1;
 }
 
+// A dense row of at most k valid elements: every valid position, then -1, without reading the row. Returns whether
+// the row was such a one (then it is done).
+template <class Src>
+__device__ __forceinline__ bool dense_all_valid(const Src& src, int* out, int kk) {
+  if (Src::KIND != DENSE || src.m > kk) return false;
+  for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < src.m ? i : -1;
+  return true;
+}
+
 // Final pass over the row in global memory, in index order: writes the selected positions.
 template <int U, class Src>
 __device__ void final_global(Smem& sm, int& par, const Src& src, const Thresh& t, int* out) {
@@ -1497,14 +1519,7 @@ __device__ void smem_bitmap_select(Smem& sm, const uint32_t* K, int m, uint32_t 
     // it spent a select and an OR per key (~40 more instructions per thread). The bin's keys are the complement
     // of those outside it.
     uint32_t outside = 0u, key[32];
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      const uint4 v = *reinterpret_cast<const uint4*>(K + 4 * kgroup(8 * tid + q));
-      key[4 * q] = v.x;
-      key[4 * q + 1] = v.y;
-      key[4 * q + 2] = v.z;
-      key[4 * q + 3] = v.w;
-    }
+    load_kgroups<8>(K, 8 * tid, key);
 #pragma unroll
     for (int j = 0; j < 32; ++j) gw |= (uint32_t)(key[j] > hi) << j;
 #pragma unroll
@@ -2047,10 +2062,7 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
   Src src(p, row);
   int* out = p.out + (long long)row * p.kk;
   const int kk = p.kk;
-  if (Src::KIND == DENSE && src.m <= kk) {  // every valid position, no read needed
-    for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < src.m ? i : -1;
-    return;
-  }
+  if (dense_all_valid(src, out, kk)) return;
   if (src.m <= SMEM_KEYS) {
     smem_mode<U>(sm, src, out, kk);  // sorts a sparse row's staged output itself
     return;
@@ -2220,27 +2232,21 @@ __device__ void tri_bitmap_select(Smem& sm, const Src& src, const uint16_t* K16,
   uint32_t gw = 0u, bm = 0u;
   if (tid < W) {
     uint32_t k[16];  // 32 keys, two per word
+    load_kgroups<4>(reinterpret_cast<const uint32_t*>(K16), 4 * tid, k);
+    // Key j compared in the high half of a word, with no extraction: the odd keys as they are, the even ones
+    // shifted up; key > hi <=> word > (hi << 16 | 0xffff), key < lo <=> word < lo << 16. As in
+    // smem_bitmap_select, each bitmap by one kind of test in its own loop; the bin is the rest. Bin B spans the
+    // 16-bit keys [B << 5, (B << 5) + 31] (key 0, no element, is below it: bin 0 holds NaN, 16-bit key 1); with
+    // all, every key above 0 is taken.
+    const uint32_t lo = all ? 0u : B << 5, hi = all ? 0u : lo | 31u;
+    const uint32_t HI = hi << 16 | 0xffffu, LO = (lo == 0u ? 1u : lo) << 16;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const uint4 v = *reinterpret_cast<const uint4*>(K16 + 8 * kgroup(4 * tid + q));
-      k[4 * q] = v.x;
-      k[4 * q + 1] = v.y;
-      k[4 * q + 2] = v.z;
-      k[4 * q + 3] = v.w;
-    }
-    if (all) {
+    for (int j = 0; j < 32; ++j) gw |= (uint32_t)(((j & 1) ? k[j >> 1] : k[j >> 1] << 16) > HI) << j;
+    if (!all) {
+      uint32_t below = 0u;
 #pragma unroll
-      for (int j = 0; j < 32; ++j) gw |= (uint32_t)(((k[j >> 1] >> (16 * (j & 1))) & 0xffffu) != 0u) << j;
-    } else {
-      // Digits compared in place: bin B is [B << 5, (B << 5) + 31] in either half-word (the key 0 is below it:
-      // bin 0 holds NaN, 16-bit key 1).
-      const uint32_t lo = B << 5, lo1 = lo == 0u ? 1u : lo, hi = lo | 31u;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const uint32_t x = (k[j >> 1] >> (16 * (j & 1))) & 0xffffu;
-        gw |= (uint32_t)(x > hi) << j;
-        bm |= (uint32_t)(x - lo1 <= hi - lo1) << j;
-      }
+      for (int j = 0; j < 32; ++j) below |= (uint32_t)(((j & 1) ? k[j >> 1] : k[j >> 1] << 16) < LO) << j;
+      bm = ~(gw | below);
     }
     G[tid] = gw;
     Q[tid] = 0u;
@@ -2306,10 +2312,7 @@ __global__ void __launch_bounds__(THREADS, TRI_MINB) topk_tri_kernel(Params p) {
   Src src(p, row);
   int* out = p.out + (long long)row * p.kk;
   const int kk = p.kk;
-  if (Src::KIND == DENSE && src.m <= kk) {  // every valid position, no read needed
-    for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < src.m ? i : -1;
-    return;
-  }
+  if (dense_all_valid(src, out, kk)) return;
   uint16_t* K16 = reinterpret_cast<uint16_t*>(sm.region);
   uint32_t* stage = sm.region + TRI_K16_WORDS;
   TSI_MARK(10);
