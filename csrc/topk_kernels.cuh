@@ -2215,18 +2215,42 @@ __device__ void tri_load(Smem& sm, const Src& src, uint16_t* K16) {
   __syncthreads();
 }
 
+// The threshold bin of a tri_load row: the 16-bit keys [lo, hi] hold c elements, of which the need best are taken
+// (1 <= need <= c <= TRI_BIN); every key above hi is taken. Either a bin of the top digit (11 bits, hi = lo + 31)
+// or, within one too large for the buffer, a bin of all 16 bits (fine: lo = hi).
+struct TriBin {
+  uint32_t lo, hi, need, c;
+  bool fine;
+};
+
+// Histogram of the low 5 bits of the 16-bit keys in the top-digit bin B (the 16-bit bins inside it), from the zero
+// histogram find_bin leaves, over keys [0, m rounded up to 32): their 16-byte groups through kgroup (it permutes
+// groups of 8 keys within 64, so unlike K's groups these are not in place within each 32 keys). Ends with a barrier.
+__device__ void tri_hist16(Smem& sm, const uint16_t* K16, int m, uint32_t B) {
+  const uint4* g = reinterpret_cast<const uint4*>(K16);
+  for (int v = threadIdx.x; v < round32(m) / 8; v += THREADS) {
+    const uint4 q = g[kgroup(v)];
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t x = (j & 1) ? w[j >> 1] >> 16 : w[j >> 1] & 0xffffu;
+      hist_inc(sm, x & 31u, x != 0u && (x >> 5) == B);
+    }
+  }
+  __syncthreads();
+}
+
 // The selection of a tri_load row: the k best of its m keys as ranks in index order, emit(rank, index), through
-// the bitmaps of smem_bitmap_select. ctl holds find_bin's result for the top digit; all: every element is taken
-// (total <= k), else the threshold bin holds 1 <= need - above <= c <= TRI_BIN keys. Ends without a barrier.
+// the bitmaps of smem_bitmap_select. all: every element is taken (total <= k); else the threshold bin tb. Ends
+// without a barrier.
 template <class Src, class Emit>
-__device__ void tri_bitmap_select(Smem& sm, const Src& src, const uint16_t* K16, int m, uint32_t need, bool all,
+__device__ void tri_bitmap_select(Smem& sm, const Src& src, const uint16_t* K16, int m, const TriBin& tb, bool all,
                                   Emit&& emit) {
   uint32_t* G = sm.region + TRI_K16_WORDS + TRI_LIST;  // past the staged output
   uint32_t* Q = G + SMEM_WORDS;
   uint32_t* BK = Q + SMEM_WORDS;
   uint32_t* BI = BK + TRI_BIN;
-  const uint32_t B = all ? 0u : sm.ctl[0], c = all ? 0u : sm.ctl[2];
-  need -= all ? 0u : sm.ctl[1];
+  const uint32_t c = all ? 0u : tb.c, need = tb.need;
   const int W = (m + 31) >> 5;
   const int tid = (int)threadIdx.x;
   uint32_t gw = 0u, bm = 0u;
@@ -2235,10 +2259,9 @@ __device__ void tri_bitmap_select(Smem& sm, const Src& src, const uint16_t* K16,
     load_kgroups<4>(reinterpret_cast<const uint32_t*>(K16), 4 * tid, k);
     // Key j compared in the high half of a word, with no extraction: the odd keys as they are, the even ones
     // shifted up; key > hi <=> word > (hi << 16 | 0xffff), key < lo <=> word < lo << 16. As in
-    // smem_bitmap_select, each bitmap by one kind of test in its own loop; the bin is the rest. Bin B spans the
-    // 16-bit keys [B << 5, (B << 5) + 31] (key 0, no element, is below it: bin 0 holds NaN, 16-bit key 1); with
-    // all, every key above 0 is taken.
-    const uint32_t lo = all ? 0u : B << 5, hi = all ? 0u : lo | 31u;
+    // smem_bitmap_select, each bitmap by one kind of test in its own loop; the bin is the rest (key 0, no
+    // element, is below every bin: the lowest holds NaN, 16-bit key 1). With all, every key above 0 is taken.
+    const uint32_t lo = all ? 0u : tb.lo, hi = all ? 0u : tb.hi;
     const uint32_t HI = hi << 16 | 0xffffu, LO = (lo == 0u ? 1u : lo) << 16;
 #pragma unroll
     for (int j = 0; j < 32; ++j) gw |= (uint32_t)(((j & 1) ? k[j >> 1] : k[j >> 1] << 16) > HI) << j;
@@ -2263,9 +2286,11 @@ __device__ void tri_bitmap_select(Smem& sm, const Src& src, const uint16_t* K16,
     BI[o++] = (uint32_t)(32 * tid + j);
   }
   __syncthreads();
+  // A top-digit bin's keys are counted by their next digit as they arrive (for resolve); buffer_resolve counts a
+  // 16-bit bin's itself.
+  const bool count = !tb.fine;
   if constexpr (Src::E == 4) {
-    // The bin's full keys from global memory (the row was just read: L2 hits), two loads in flight per thread,
-    // counted by their next digit.
+    // The bin's full keys from global memory (the row was just read: L2 hits), two loads in flight per thread.
     const uint32_t* row = reinterpret_cast<const uint32_t*>(src.ch.row);
     for (int i = tid; i < (int)c; i += 2 * THREADS) {
       const int i2 = i + THREADS;
@@ -2273,11 +2298,11 @@ __device__ void tri_bitmap_select(Smem& sm, const Src& src, const uint16_t* K16,
       const uint32_t b = i2 < (int)c ? __ldg(row + BI[i2]) : 0u;
       const uint32_t ka = f32_key(a);
       BK[i] = ka;
-      atomicAdd(&sm.hist[(ka >> 10) & 0x7ffu], 1u);
+      if (count) atomicAdd(&sm.hist[(ka >> 10) & 0x7ffu], 1u);
       if (i2 < (int)c) {
         const uint32_t kb = f32_key(b);
         BK[i2] = kb;
-        atomicAdd(&sm.hist[(kb >> 10) & 0x7ffu], 1u);
+        if (count) atomicAdd(&sm.hist[(kb >> 10) & 0x7ffu], 1u);
       }
     }
   } else {  // bf16: the 16-bit keys order the scores exactly; k16 << 16 stands for the key (NaN: 1)
@@ -2285,14 +2310,20 @@ __device__ void tri_bitmap_select(Smem& sm, const Src& src, const uint16_t* K16,
       const uint32_t k = K16[k16_slot((int)BI[i])];
       const uint32_t key = k == 1u ? 1u : k << 16;
       BK[i] = key;
-      atomicAdd(&sm.hist[(key >> 10) & 0x7ffu], 1u);
+      if (count) atomicAdd(&sm.hist[(key >> 10) & 0x7ffu], 1u);
     }
   }
   __syncthreads();
   TSI_MARK(26);
   const Marks mk{BI, G, Q};
-  const Thresh t =
-      resolve(sm, 11, B, need, [&](int L, uint32_t P) { smem_hist(sm, BK, (int)c, L, P); }, false, BK, (int)c, &mk);
+  Thresh t;
+  if (tb.fine) {  // every key of the bin lies in [lo << 16, lo << 16 | 0xffff], but NaN's (16-bit key 1) is 1
+    const uint32_t lo32 = tb.lo == 1u ? 1u : tb.lo << 16, hi32 = tb.lo == 1u ? 1u : lo32 | 0xffffu;
+    t = buffer_resolve(sm, BK, (int)c, lo32, hi32, need, &mk);
+  } else {
+    t = resolve(sm, 11, tb.lo >> 5, need, [&](int L, uint32_t P) { smem_hist(sm, BK, (int)c, L, P); }, false, BK,
+                (int)c, &mk);
+  }
   TSI_MARK(13);
   if (!t.marked) mark_selected(G, Q, BK, BI, (int)c, t);
   bitmap_emit<1>(sm, G, Q, W, t.need_eq, emit);
@@ -2320,17 +2351,26 @@ __global__ void __launch_bounds__(THREADS, TRI_MINB) topk_tri_kernel(Params p) {
   TSI_MARK(11);
   find_bin<NBINS>(sm, (uint32_t)kk);
   TSI_MARK(12);
-  const uint32_t total = sm.ctl[3];
-  if (total <= (uint32_t)kk || sm.ctl[2] <= (uint32_t)TRI_BIN) {
-    tri_bitmap_select(sm, src, K16, src.m, (uint32_t)kk, total <= (uint32_t)kk,
-                      [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
+  const uint32_t total = sm.ctl[3], B = sm.ctl[0], need = (uint32_t)kk - sm.ctl[1], c = sm.ctl[2];
+  const bool all = total <= (uint32_t)kk;
+  TriBin tb{B << 5, B << 5 | 31u, need, c, false};
+  if (!all && c > (uint32_t)TRI_BIN && c != need) {
+    // Too large for the buffer (and not all taken): the 16-bit bin inside it that holds the threshold, where the
+    // 16-bit keys' 5 further bits split it (narrow value ranges, e.g. ReLU-weighted sums); ties need the rescan.
+    tri_hist16(sm, K16, src.m, B);
+    find_bin<NBINS>(sm, need);
+    const uint32_t lo = B << 5 | sm.ctl[0];
+    tb = TriBin{lo, lo, need - sm.ctl[1], sm.ctl[2], true};
+  }
+  if (all || tb.c <= (uint32_t)TRI_BIN) {
+    tri_bitmap_select(sm, src, K16, src.m, tb, all, [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
     TSI_MARK(15);
-    write_staged(sm, src, stage, total <= (uint32_t)kk ? (int)total : kk, out, kk);
+    write_staged(sm, src, stage, all ? (int)total : kk, out, kk);
     TSI_MARK(14);
     return;
   }
   int par = 0;
-  rescan_select<U>(sm, par, src, out, sm.ctl[0], (uint32_t)kk - sm.ctl[1], sm.ctl[2]);
+  rescan_select<U>(sm, par, src, out, B, need, c);
   if (Src::KIND == SPARSE) sort_positions_if_unordered(sm, out, kk);
 }
 
