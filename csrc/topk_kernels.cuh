@@ -1183,9 +1183,13 @@ __device__ __forceinline__ void pad_out(int* out, int from, int kk) {
 // the row was such a one (then it is done).
 template <class Src>
 __device__ __forceinline__ bool dense_all_valid(const Src& src, int* out, int kk) {
-  if (Src::KIND != DENSE || src.m > kk) return false;
-  for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < src.m ? i : -1;
-  return true;
+  if constexpr (Src::KIND != DENSE) {
+    return false;
+  } else {
+    if (src.m > kk) return false;
+    for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < src.m ? i : -1;
+    return true;
+  }
 }
 
 // Final pass over the row in global memory, in index order: writes the selected positions.
