@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first staged device call (benchmarks/NOTES.md, "Staged for the next device session"), ~8 minutes: the top-k
 # GPU tests (the three-CTA kernel's included), the top-k targets with the three-CTA rows, phase timing on both
-# kernels, the write_k_cache hint-mask sweep with the Triton cache tests, and the scoring GPU tests. Prepare here:
+# kernels, the write_k_cache hint-mask sweep with the Triton cache tests, the scoring GPU tests and the read roofline of the sparse decode pattern (FP8 and MXFP4). Prepare here:
 # csrc/build.sh, csrc/build.sh torch_sparse_indexer/_C/phase_topk.so -DTSI_PHASE_TIMING, bash
 # benchmarks/pack_carry.sh; then on the device, carrying [".carry", ".whl"]:   bash benchmarks/gpu_staged.sh
 set -u
@@ -24,3 +24,4 @@ grep -E "write_k_cache|gather_k" "$OUT/cache.log" | tail -n 30
 timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_kernels.py -k "write or cache or gather" \
   2>&1 | tail -n 1
 timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_scoring.py 2>&1 | tail -n 1
+timeout 90 python3 scripts/gather_roofline.py 2>&1 | tee "$OUT/roofline.txt"

@@ -125,39 +125,43 @@ FAST = os.environ.get("TSI_BENCH_FAST", "0") == "1"  # target shapes only, no co
 
 
 @triton.jit
-def _read_blocks(cache_ptr, bt_ptr, cand_ptr, out_ptr, NCAND, BT_STRIDE, PS, NB: tl.constexpr, CONTIG: tl.constexpr):
-    """Sum of the bytes ``paged_sparse_mqa_logits`` reads (FP8, D 128, page 64, blocks of 8): each candidate
-    block's 1 KB of values and 32 B of scales, NB blocks per program; CONTIG: the same byte count back to back."""
+def _read_blocks(cache_ptr, bt_ptr, cand_ptr, out_ptr, NCAND, BT_STRIDE, PS, NB: tl.constexpr, BW: tl.constexpr,
+                 CONTIG: tl.constexpr):
+    """Sum of the bytes ``paged_sparse_mqa_logits`` reads (D 128, page 64, blocks of 8): each candidate block's BW
+    int32 words of values (FP8 1 KB, MXFP4 512 B) and 32 B of scales, NB blocks per program; CONTIG: the same
+    byte count back to back."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     b = chunk * NB + tl.arange(0, NB)
-    w = tl.arange(0, 256)  # 1 KB of values as int32 words
+    w = tl.arange(0, BW)
     words = cache_ptr.to(tl.pointer_type(tl.int32))
     if CONTIG:
-        vbase = (row.to(tl.int64) * NCAND + b) * 264  # 1056 bytes per block, back to back
-        sbase = vbase + 256
+        vbase = (row.to(tl.int64) * NCAND + b) * (BW + 8)  # a block's values and scales, back to back
+        sbase = vbase + BW
     else:
         blk = tl.load(cand_ptr + row.to(tl.int64) * NCAND + b)
         page = tl.load(bt_ptr + row.to(tl.int64) * BT_STRIDE + (blk >> 3)).to(tl.int64)
         off = (blk & 7).to(tl.int64)
-        vbase = (page * (PS // 16) + off * 64) * 4  # page stride % 16 == 0
-        sbase = page * (PS // 4) + 64 * 32 + off * 8
+        vbase = page * (PS // 4) + off * BW  # page stride % 16 == 0
+        sbase = page * (PS // 4) + 8 * BW + off * 8  # the page's 64 tokens' values, then their scale words
     vals = tl.load(words + vbase[:, None] + w[None, :])
     sc = tl.load(words + sbase[:, None] + tl.arange(0, 8)[None, :])
     tl.store(out_ptr + row * tl.num_programs(1) + chunk, tl.sum(tl.sum(vals, 1) ^ tl.sum(sc, 1), 0))
 
 
-def read_same_bytes(cache, bt, cand, contig=False, warps=8):
+def read_same_bytes(cache, bt, cand, contig=False, warps=8, fmt="fp8"):
     """``fn()`` reading the sparse decode's bytes with a plain load-and-sum kernel (the achievable read of that
     access pattern for a simple kernel, next to the copy-bandwidth floor), and the byte count."""
     B, nbk = cand.shape
     NB = 32
+    bw = 8 * formats.value_bytes(fmt, D) // 4
     assert PAGE == 64 and D == 128 and CBS == 8 and nbk % NB == 0 and cache.stride(0) % 16 == 0
-    nbytes = B * nbk * 1056
+    assert cache.stride(0) == PAGE * formats.bytes_per_token(fmt, D), "cache pages of 64 tokens, no padding"
+    nbytes = B * nbk * (bw + 8) * 4
     out = torch.empty(B * (nbk // NB), dtype=torch.int32, device=DEV)
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEV) if contig else cache
     return (lambda: _read_blocks[(B, nbk // NB)](src, bt, cand, out, nbk, bt.stride(0), cache.stride(0), NB=NB,
-                                                 CONTIG=contig, num_warps=warps)), nbytes
+                                                 BW=bw, CONTIG=contig, num_warps=warps)), nbytes
 
 @triton.jit
 def _copy_to_slots(k_ptr, slot_ptr, cache_ptr, T, PS, PAGE_: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
@@ -274,9 +278,9 @@ def bench_decode(rows, quick):
                     ts.CONFIG_OVERRIDES.pop("qfold")
                 _row(rows, op="paged_sparse_mqa_logits", impl="triton per-group scales", fmt=fmt, shape=shape, B=B,
                      ctx=ctx, time_us=tg, floor_us=common.floor_us(kbytes), tbps=kbytes / tg / 1e6)
-            if ctx == 131072 and B == 128 and fmt == "fp8":
+            if ctx == 131072 and B == 128:
                 try:  # context for the time above: a plain read of the same bytes in the same access pattern
-                    rd, rbytes = read_same_bytes(cache, bt, cand)
+                    rd, rbytes = read_same_bytes(cache, bt, cand, fmt=fmt)
                     tr = _t(rd)
                     _row(rows, op="paged_sparse_mqa_logits", impl="read (same bytes)", fmt=fmt, shape=shape, B=B,
                          ctx=ctx, time_us=tr, floor_us=common.floor_us(rbytes), tbps=rbytes / tr / 1e6)
