@@ -3,7 +3,8 @@
 # GPU tests (the three-CTA kernel's included), the top-k targets with the three-CTA rows, phase timing on both
 # kernels, the write_k_cache hint-mask sweep with the Triton cache tests, the scoring GPU tests and the read
 # roofline of the sparse decode pattern (FP8 and MXFP4). Prepare here: csrc/build.sh, csrc/build.sh
-# torch_sparse_indexer/_C/phase_topk.so -DTSI_PHASE_TIMING, bash benchmarks/pack_carry.sh; then on the device, carrying [".carry", ".whl"]:   bash benchmarks/gpu_staged.sh
+# torch_sparse_indexer/_C/phase_topk.so -DTSI_PHASE_TIMING, bash benchmarks/pack_carry.sh; then on the device,
+# carrying [".carry", ".whl"]: bash benchmarks/gpu_staged.sh
 set -u
 OUT=${OUT:-/tmp/tsi-out}; mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
