@@ -7,6 +7,9 @@
 * ``call_op``: calls an op eagerly, or with ``TORCH_SPARSE_INDEXER_TEST_COMPILE=1`` through a
   ``torch.compile(fullgraph=True)`` wrapper (FlashInfer's ``FLASHINFER_TEST_TORCH_COMPILE`` idea), so the
   same tests check the fakes, functionalization and re-inplacing.
+* ``TORCH_SPARSE_INDEXER_TEST_TRI_MODE=off|auto|always``: the CUDA top-k library's three-CTA mode for the whole
+  run (``cuda_topk.set_tri_mode``), so the top-k GPU tests can be re-run with the three-CTA kernel taking every
+  row it qualifies for.
 """
 from __future__ import annotations
 
@@ -26,6 +29,13 @@ if TEST_COMPILE:
                   "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, _name):
             setattr(torch._dynamo.config, _name, 1 << 20)
+
+
+def pytest_configure(config):
+    mode = os.environ.get("TORCH_SPARSE_INDEXER_TEST_TRI_MODE")
+    if mode:
+        from torch_sparse_indexer.kernels import cuda_topk
+        cuda_topk.set_tri_mode(mode)
 
 
 def pytest_collection_modifyitems(config, items):
