@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The first staged device call (benchmarks/NOTES.md, "Staged for the next device session"), ~9 minutes, in
-# priority order: the top-k targets with the three-CTA rows, the top-k GPU tests (again with the three-CTA kernel
-# forced on), phase timing on both kernels, the read roofline of the sparse decode pattern (FP8 and MXFP4), the
-# write_k_cache hint-mask sweep with the Triton cache tests, and the scoring GPU tests. Prepare here:
+# priority order: the top-k targets with the three-CTA rows, the top-k GPU tests, the read roofline of the sparse
+# decode pattern (FP8 and MXFP4), the top-k tests again with the three-CTA kernel forced on, phase timing on both
+# kernels, the write_k_cache hint-mask sweep with the Triton cache tests, and the scoring GPU tests. Prepare here:
 # csrc/build.sh, csrc/build.sh torch_sparse_indexer/_C/phase_topk.so -DTSI_PHASE_TIMING, bash
 # benchmarks/pack_carry.sh; then on the device, carrying [".carry", ".whl"]: bash benchmarks/gpu_staged.sh
 set -u
@@ -19,6 +19,7 @@ fits 150 "topk bench" && TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_FLASHINFER=0 timeout
 grep "^\[topk\]" "$OUT/topk_bench.log"
 fits 150 "topk tests" && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_topk_cuda.py \
   2>&1 | tail -n 3 | tee "$OUT/topk_tests.txt"
+fits 60 "roofline" && timeout 60 python3 scripts/gather_roofline.py 2>&1 | tee "$OUT/roofline.txt"
 # the same tests with the three-CTA kernel taking every row it qualifies for
 fits 90 "topk tests, tri always" && TORCH_SPARSE_INDEXER_TEST_TRI_MODE=always timeout 90 python3 -m pytest -q -m gpu \
   -p no:cacheprovider -n 8 tests/test_topk_cuda.py -k "sparse_topk or topk_random or strided or patterns or overflow" \
@@ -26,7 +27,6 @@ fits 90 "topk tests, tri always" && TORCH_SPARSE_INDEXER_TEST_TRI_MODE=always ti
 phase=torch_sparse_indexer/_C/phase_topk.so
 [ -f $phase ] && fits 80 "phase" && TORCH_SPARSE_INDEXER_TOPK_LIB="$PWD/$phase" timeout 80 python3 \
   scripts/phase_topk.py > "$OUT/phase.log" 2>&1; tail -n 40 "$OUT/phase.log"
-fits 60 "roofline" && timeout 60 python3 scripts/gather_roofline.py 2>&1 | tee "$OUT/roofline.txt"
 fits 100 "cache bench" && TSI_BENCH_ONLY=cache TSI_BENCH_FAST=1 timeout 100 python3 benchmarks/bench.py --suite scoring \
   --out "$OUT/cache" > "$OUT/cache.log" 2>&1
 grep -E "write_k_cache|gather_k" "$OUT/cache.log" | tail -n 30
