@@ -2254,7 +2254,7 @@ __device__ void tri_bitmap_select(Smem& sm, const Src& src, const uint16_t* K16,
   uint32_t* Q = G + SMEM_WORDS;
   uint32_t* BK = Q + SMEM_WORDS;
   uint32_t* BI = BK + TRI_BIN;
-  const uint32_t c = all ? 0u : tb.c, need = tb.need;
+  const uint32_t c = tb.c, need = tb.need;  // (used past the all return only)
   const int W = (m + 31) >> 5;
   const int tid = (int)threadIdx.x;
   uint32_t gw = 0u, bm = 0u;

@@ -14,9 +14,9 @@ import suite_scoring as ss  # noqa: E402
 
 def main():
     B, ctx, nbk = 128, 131072, 2048
+    cand = ss._cands(B, ctx // ss.CBS, nbk)
     for fmt in ("fp8", "mxfp4"):
         cache, bt, lens, qs = ss._decode_setup(B, ctx, fmt)
-        cand = ss._cands(B, ctx // ss.CBS, nbk)
         for name, contig in (("gathered blocks (the decode pattern)", False), ("contiguous", True)):
             for warps in (4, 8):
                 fn, nbytes = ss.read_same_bytes(cache, bt, cand, contig, warps, fmt)
