@@ -40,6 +40,9 @@ for fmt in ("fp8", "mxfp4"):
         res.append(testing.calc_diff(out, ref) if not torch.isnan(out).any() else float("nan"))
 print(f"calc_diff vs reference: fp8 sparse/dense, mxfp4 sparse/dense = {res}", flush=True)
 
+# Depths for the other builds (their default only, unless SWEEP_DEPTHS="0,3,6": e.g. whether the copies-only
+# ablation follows the tiles in flight, i.e. is bound by latency x depth rather than by the memory system).
+variant_depths = tuple(int(d) for d in os.environ.get("SWEEP_DEPTHS", "0").split(","))
 libs = [("default", cs._LIB)] + [(os.path.basename(p), _cudalib.Library(os.path.basename(p), "-", cs._declare))
                                  for p in sys.argv[1:]]
 for (name, lib), path in zip(libs[1:], sys.argv[1:]):
@@ -69,7 +72,7 @@ for fmt in ("fp8", "mxfp4"):
         base = None
         for name, lib in libs:
             cs._LIB = lib
-            for depth in (0, 3, 4, 6) if name == "default" else (0,):  # other builds: their default depth
+            for depth in (0, 3, 4, 6) if name == "default" else variant_depths:
                 cs.set_depth(depth)
                 fc()
                 torch.cuda.synchronize()
