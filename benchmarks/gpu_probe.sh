@@ -7,11 +7,7 @@
 # ablate_compute, bash benchmarks/pack_carry.sh; then on the device, carrying [".carry", ".whl"]:
 # bash benchmarks/gpu_probe.sh
 set -u
-OUT=${OUT:-/tmp/tsi-out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-[ -f .carry/c.tar.xz ] && tar xJf .carry/c.tar.xz -C torch_sparse_indexer
-BUDGET=${BUDGET:-580}
-fits() { [ $((SECONDS + $1)) -le "$BUDGET" ] || { echo "skipped (budget): $2" | tee -a "$OUT/skipped.txt"; false; }; }
+source "$(dirname "$0")/device_common.sh"
 v=torch_sparse_indexer/_C/scoring_variant_ablate_compute.so
 [ -f $v ] && fits 200 "depth probe" && OUT=$OUT SWEEP_DEPTHS=0,3,6 timeout 200 python3 scripts/sweep_cuda_decode.py $v \
   > "$OUT/sweep.log" 2>&1; grep -E "calc_diff|mxfp4" "$OUT/sweep.log" | cut -c1-200

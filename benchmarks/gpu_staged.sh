@@ -6,12 +6,8 @@
 # csrc/build.sh, csrc/build.sh torch_sparse_indexer/_C/phase_topk.so -DTSI_PHASE_TIMING, bash
 # benchmarks/pack_carry.sh; then on the device, carrying [".carry", ".whl"]: bash benchmarks/gpu_staged.sh
 set -u
-OUT=${OUT:-/tmp/tsi-out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-[ -f .carry/c.tar.xz ] && tar xJf .carry/c.tar.xz -C torch_sparse_indexer
-# Steps in priority order; each is skipped when its timeout would run past BUDGET seconds (a call's limit is 600).
-BUDGET=${BUDGET:-580}
-fits() { [ $((SECONDS + $1)) -le "$BUDGET" ] || { echo "skipped (budget): $2" | tee -a "$OUT/skipped.txt"; false; }; }
+# Steps in priority order; each is skipped when its timeout would run past BUDGET seconds.
+source "$(dirname "$0")/device_common.sh"
 python3 -c "from torch_sparse_indexer.kernels import cuda_topk as ct; print('tri CTAs/SM', ct.tri_blocks_per_sm())" \
   | tee "$OUT/tri_occupancy.txt"
 fits 150 "topk bench" && TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_FLASHINFER=0 timeout 150 python3 benchmarks/bench.py \
