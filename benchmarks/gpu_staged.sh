@@ -17,7 +17,7 @@ fits 150 "topk tests" && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprov
   2>&1 | tail -n 3 | tee "$OUT/topk_tests.txt"
 fits 60 "roofline" && timeout 60 python3 scripts/gather_roofline.py 2>&1 | tee "$OUT/roofline.txt"
 # the same tests with the three-CTA kernel taking every row it qualifies for
-fits 90 "topk tests, tri always" && TORCH_SPARSE_INDEXER_TEST_TRI_MODE=always timeout 90 python3 -m pytest -q -m gpu \
+fits 90 "topk tests tri always" && TORCH_SPARSE_INDEXER_TEST_TRI_MODE=always timeout 90 python3 -m pytest -q -m gpu \
   -p no:cacheprovider -n 8 tests/test_topk_cuda.py -k "sparse_topk or topk_random or strided or patterns or overflow" \
   2>&1 | tail -n 3 | tee "$OUT/topk_tests_tri_always.txt"
 phase=torch_sparse_indexer/_C/phase_topk.so
