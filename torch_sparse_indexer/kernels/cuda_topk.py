@@ -120,9 +120,9 @@ TRI_MODES = ("off", "auto", "always")
 
 def set_tri_mode(mode: str) -> str:
     """Whether ``topk`` and ``sparse_topk`` rows that fit in shared memory run on the three-CTA kernel (16-bit keys in
-    shared memory, three CTAs per SM instead of two): ``"off"`` (the default: on an H100 it was 5-14% slower than the two-CTA kernel at 4096 x 16K and
-    ``sparse_topk``, benchmarks/NOTES.md run 96),
-    ``"auto"`` (batches of at least 2 x SMs rows) or ``"always"``. Only rows with 16-byte aligned starts and strides,
+    shared memory, three CTAs per SM instead of two): ``"off"`` (the default: on an H100 it was 5-14% slower than
+    the two-CTA kernel at 4096 x 16K and for ``sparse_topk``, benchmarks/NOTES.md run 96), ``"auto"`` (batches of
+    at least 2 x SMs rows) or ``"always"``. Only rows with 16-byte aligned starts and strides,
     ``width <= smem_keys`` and ``k <= tuning()["tri_max_k"]`` qualify (fp32 or bf16); others keep their kernel.
     Results are identical in every mode. Returns the previous mode. For benchmarks and tests that compare the
     paths."""
