@@ -197,8 +197,9 @@ bool aligned16(const void* ptr, long long stride, int esize) {
 }
 
 // Three CTAs per SM for batches of shared-memory rows (tsi::topk_tri_kernel: 16-bit keys in shared memory, ~73 KB
-// per CTA instead of ~107): 0 = off (the default until it is measured on the H200), 1 = auto (batches of at least
-// 2 x SMs rows, where the one-CTA-per-row kernel runs two CTAs per SM), 2 = whenever the rows qualify (tests).
+// per CTA instead of ~107): 0 = off (the default: 5-14% slower than two CTAs per SM on an H100, NOTES.md run 96),
+// 1 = auto (batches of at least 2 x SMs rows, where the one-CTA-per-row kernel runs two CTAs per SM), 2 = whenever
+// the rows qualify (tests).
 // Rows qualify when their starts and stride are 16-byte aligned, width <= smem_keys and k <= tri_max_k.
 int g_tri_mode = 0;
 
