@@ -24,9 +24,10 @@ _TOK = 64  # query-head rows per program (quantize)
 # 121.0-121.4 vs 122.7-123.5 us at 32 tokens, 4 warps, in four runs: 0.80 vs 0.79 of copy bandwidth; NOTES.md,
 # session 7); MXFP4 (bf16-pair encoder) the same: 121.2 vs 151.5 us at 32 tokens on 4 warps, whose layout splits a
 # token's groups across warps and so reduces its scale word through shared memory (run 42).
-# (tokens per program, warps, L2 hints: see _write_kernel). MXFP4 without hints: 112 -> 105 us for 1M random
-# slots on the H200 (run 95); FP8 with them: 123 -> 121.
-_WRITE_LAUNCH = {"fp8": (16, 1, 3), "mxfp4": (16, 1, 0)}
+# (tokens per program, warps, L2 hints: see _write_kernel). Both formats keep only the scale words in L2 (mask 2):
+# 1M random slots on the H200, FP8 121 -> 112 us (mask 3 before), MXFP4 104-114 -> 102 (no hints before; runs
+# 98-99); the rows' and values' evict-first hint cost time in every pair measured, on the H200 and an H100.
+_WRITE_LAUNCH = {"fp8": (16, 1, 2), "mxfp4": (16, 1, 2)}
 _GTOK = 128  # rows per program (gather)
 
 # Benchmarks may override launches: {"write": see _write_config, "gather": see _gather_config}. The defaults
@@ -37,8 +38,8 @@ CONFIG_OVERRIDES: dict = {}
 def _write_config(fmt: str):
     """(tokens per program, integer e4m3 rounding, warps, L2 hints); an override (both formats) may leave out the
     last two (4 warps, no hints). Hints: a bit mask, 1 the rows and values evict first, 2 the scale words evict
-    last (True = 3, False = 0); FP8's default keeps the scale words in L2 (1M random slots on the H200: 130 -> 124
-    us), with the per-format launch of _WRITE_LAUNCH. On the GPU the e4m3 bytes come from triton's fp8 cast (the
+    last (True = 3, False = 0); the defaults keep only the scale words in L2, so that neighbouring slots'
+    partial-sector scale stores merge there (_WRITE_LAUNCH). On the GPU the e4m3 bytes come from triton's fp8 cast (the
     hardware's round-to-nearest-even conversion: 206 -> 129 us for 1M tokens, bytes equal to the reference's
     there; quantize_q uses it too); the integer rounding serves the interpreter, whose cast does not round."""
     tok, warps, hints = _WRITE_LAUNCH[fmt]
