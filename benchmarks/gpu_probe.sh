@@ -9,8 +9,8 @@
 set -u
 source "$(dirname "$0")/device_common.sh"
 v=torch_sparse_indexer/_C/scoring_variant_ablate_compute.so
-[ -f $v ] && fits 200 "depth probe" && OUT=$OUT SWEEP_DEPTHS=0,3,6 timeout 200 python3 scripts/sweep_cuda_decode.py $v \
-  > "$OUT/sweep.log" 2>&1; grep -E "calc_diff|mxfp4" "$OUT/sweep.log" | cut -c1-200
+[ -f $v ] && fits 200 "depth probe" && SWEEP_DEPTHS=0,3,6 timeout 200 python3 scripts/sweep_cuda_decode.py $v \
+  > "$OUT/sweep.log" 2>&1; grep -sE "calc_diff|mxfp4" "$OUT/sweep.log" | cut -c1-200
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [ -n "$NCU" ] && fits 120 "ncu"; then
   timeout 120 "$NCU" --clock-control none --set full -k regex:decode_kernel --launch-skip 2 --launch-count 1 \

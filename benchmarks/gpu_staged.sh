@@ -12,7 +12,7 @@ python3 -c "from torch_sparse_indexer.kernels import cuda_topk as ct; print('tri
   | tee "$OUT/tri_occupancy.txt"
 fits 150 "topk bench" && TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_FLASHINFER=0 timeout 150 python3 benchmarks/bench.py \
   --suite topk --out "$OUT" > "$OUT/topk_bench.log" 2>&1
-grep "^\[topk\]" "$OUT/topk_bench.log"
+grep -s "^\[topk\]" "$OUT/topk_bench.log"
 fits 150 "topk tests" && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_topk_cuda.py \
   2>&1 | tail -n 3 | tee "$OUT/topk_tests.txt"
 fits 60 "roofline" && timeout 60 python3 scripts/gather_roofline.py 2>&1 | tee "$OUT/roofline.txt"
@@ -22,10 +22,10 @@ fits 90 "topk tests tri always" && TORCH_SPARSE_INDEXER_TEST_TRI_MODE=always tim
   2>&1 | tail -n 3 | tee "$OUT/topk_tests_tri_always.txt"
 phase=torch_sparse_indexer/_C/phase_topk.so
 [ -f $phase ] && fits 80 "phase" && TORCH_SPARSE_INDEXER_TOPK_LIB="$PWD/$phase" timeout 80 python3 \
-  scripts/phase_topk.py > "$OUT/phase.log" 2>&1; tail -n 40 "$OUT/phase.log"
+  scripts/phase_topk.py > "$OUT/phase.log" 2>&1; tail -n 40 "$OUT/phase.log" 2>/dev/null
 fits 100 "cache bench" && TSI_BENCH_ONLY=cache TSI_BENCH_FAST=1 timeout 100 python3 benchmarks/bench.py --suite scoring \
   --out "$OUT/cache" > "$OUT/cache.log" 2>&1
-grep -E "write_k_cache|gather_k" "$OUT/cache.log" | tail -n 30
+grep -sE "write_k_cache|gather_k" "$OUT/cache.log" | tail -n 30
 fits 100 "cache tests" && timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_kernels.py \
   -k "write or cache or gather" 2>&1 | tail -n 1 | tee "$OUT/cache_tests.txt"
 fits 90 "scoring tests" && timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_scoring.py 2>&1 \
