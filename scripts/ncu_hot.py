@@ -1,7 +1,9 @@
 """Hot regions of a kernel's SASS from an Nsight Compute source page (development):
     ncu -i REPORT --page source --csv --print-source sass > k.csv; python scripts/ncu_hot.py k.csv [N]
 Prints the executed instructions and warp-state samples of each run of consecutive executed instructions (the
-loops and phases of the kernel), the N largest by samples, and the whole kernel's stall reasons."""
+loops and phases of the kernel), the N largest by samples, the whole kernel's stall reasons, and the samples
+between consecutive block barriers (``BAR.SYNC``) or exits holding at least 0.5% of them: in a kernel whose
+phases end at barriers, where the warps' time goes phase by phase."""
 import csv
 import sys
 
@@ -28,6 +30,15 @@ def main(path: str, n: int = 14) -> None:
     tot = {hdr[i][6:]: sum(int(r[i] or 0) for r in data) for i in cols}
     st = sum(tot.values()) or 1
     print("  stalls: " + ", ".join(f"{k} {100 * v / st:.0f}%" for k, v in sorted(tot.items(), key=lambda x: -x[1])[:8]))
+    print("  between barriers:")
+    start, c_acc, s_acc = 0, 0, 0
+    for i, r in enumerate(data):
+        c_acc, s_acc = c_acc + int(r[ia] or 0), s_acc + int(r[isamp] or 0)
+        if "BAR.SYNC" in r[1] or "EXIT" in r[1] or i == len(data) - 1:
+            if s_acc >= 0.005 * ts:
+                print(f"    SASS {start:6d}-{i:6d}: {c_acc:11d} instr, {s_acc:6d} samples ({100 * s_acc / ts:4.1f}%)"
+                      f" to {r[1].strip()[:24]}")
+            start, c_acc, s_acc = i + 1, 0, 0
 
 
 if __name__ == "__main__":
