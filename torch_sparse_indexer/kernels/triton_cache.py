@@ -36,17 +36,17 @@ CONFIG_OVERRIDES: dict = {}
 
 
 def _write_config(fmt: str):
-    """(tokens per program, integer e4m3 rounding, warps, L2 hints, chunks per program, pipeline stages); an override
-    (both formats) may leave out the last four (4 warps, no hints, one chunk, one stage). Hints: a bit mask, 1 the rows and values evict first, 2 the scale words evict
+    """(tokens per program, integer e4m3 rounding, warps, L2 hints); an override (both formats) may leave out the
+    last two (4 warps, no hints). Hints: a bit mask, 1 the rows and values evict first, 2 the scale words evict
     last (True = 3, False = 0); the defaults keep only the scale words in L2, so that neighbouring slots'
     partial-sector scale stores merge there (_WRITE_LAUNCH). On the GPU the e4m3 bytes come from triton's fp8 cast (the
     hardware's round-to-nearest-even conversion: 206 -> 129 us for 1M tokens, bytes equal to the reference's
     there; quantize_q uses it too); the integer rounding serves the interpreter, whose cast does not round."""
     tok, warps, hints = _WRITE_LAUNCH[fmt]
     cfg = tuple(CONFIG_OVERRIDES.get("write", (tok, _INTERPRET, warps, hints)))
-    cfg = cfg + (4, False, 1, 1)[len(cfg) - 2:]
+    cfg = cfg + (4, False)[len(cfg) - 2:]
     h = cfg[3]
-    return cfg[:3] + (3 if h is True else 0 if h is False else int(h),) + cfg[4:6]  # by identity: True == 1
+    return cfg[:3] + (3 if h is True else 0 if h is False else int(h),)  # by identity: True == 1 as a value
 
 
 def _pairs(fmt: str, x) -> bool:
@@ -257,32 +257,16 @@ def _load_rows(k_ptr, t, tm, D: tl.constexpr, PAIRS: tl.constexpr, EV_STREAM: tl
             do_not_specialize_on_alignment=["slot_ptr"])
 def _write_kernel(k_ptr, slot_ptr, kv_ptr, T, NSLOT, LBS, PAGE_STRIDE,
                   D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr, TOK: tl.constexpr,
-                  SOFT_FP8: tl.constexpr, HINTS: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr,
-                  ITERS: tl.constexpr = 1, STAGES: tl.constexpr = 1):
-    """``PAIRS`` (MXFP4, bf16 ``k``): the encoder on bf16 pairs (:func:`_quant_mxfp4_bf16`), the fp32 one for a
-    program whose groups it cannot take. ``ITERS`` > 1: a program writes that many consecutive chunks of ``TOK``
-    tokens in a loop pipelined over ``STAGES`` stages (the next chunk's loads in flight during this one's encoding)."""
-    if ITERS == 1:
-        _write_tokens(k_ptr, slot_ptr, kv_ptr, tl.program_id(0) * TOK, T, NSLOT, LBS, PAGE_STRIDE, D, FP4, POW2, TOK,
-                      SOFT_FP8, HINTS, PAIRS, USE_ASM)
-    else:
-        for it in tl.range(0, ITERS, num_stages=STAGES):
-            _write_tokens(k_ptr, slot_ptr, kv_ptr, (tl.program_id(0) * ITERS + it) * TOK, T, NSLOT, LBS, PAGE_STRIDE,
-                          D, FP4, POW2, TOK, SOFT_FP8, HINTS, PAIRS, USE_ASM)
-
-
-@triton.jit
-def _write_tokens(k_ptr, slot_ptr, kv_ptr, t0, T, NSLOT, LBS, PAGE_STRIDE,
-                  D: tl.constexpr, FP4: tl.constexpr, POW2: tl.constexpr, TOK: tl.constexpr,
                   SOFT_FP8: tl.constexpr, HINTS: tl.constexpr, PAIRS: tl.constexpr, USE_ASM: tl.constexpr):
-    """Tokens ``[t0, t0 + TOK)`` of :func:`_write_kernel`."""
+    """``PAIRS`` (MXFP4, bf16 ``k``): the encoder on bf16 pairs (:func:`_quant_mxfp4_bf16`), the fp32 one for a
+    program whose groups it cannot take."""
     # HINTS bit 1: the K rows and value bytes stream through L2 once (evict first); bit 2: the 4-byte scale words,
     # one per token at its page's end, stay (evict last) so that neighbouring slots' words written by other
     # programs merge into whole sectors in L2 instead of each leaving as a partial-sector write.
     EV_STREAM: tl.constexpr = "evict_first" if HINTS & 1 else ""
     EV_SCALE: tl.constexpr = "evict_last" if HINTS & 2 else ""
     VB: tl.constexpr = D // 2 if FP4 else D
-    t = t0 + tl.arange(0, TOK)
+    t = tl.program_id(0) * TOK + tl.arange(0, TOK)
     tm = t < T
     slot = tl.load(slot_ptr + t, mask=tm, other=-1).to(tl.int64)
     rows = _load_rows(k_ptr, t, tm, D, PAIRS, EV_STREAM)
@@ -448,11 +432,11 @@ def write_k_cache(k, slot_mapping, kv_cache, fmt, pow2_scale):
     T, D = k.shape
     if T == 0:
         return
-    tok, soft, warps, hints, iters, stages = _write_config(fmt)
-    _write_kernel[(triton.cdiv(T, tok * iters),)](k, slot_mapping, kv, T, nb * bs, formats.log2_block_size(bs),
-                                                  stride, D=D, FP4=fmt == "mxfp4", POW2=bool(pow2_scale), TOK=tok,
-                                                  SOFT_FP8=soft, HINTS=hints, PAIRS=_pairs(fmt, k), USE_ASM=_USE_ASM,
-                                                  ITERS=iters, STAGES=stages, num_warps=warps)
+    tok, soft, warps, hints = _write_config(fmt)
+    _write_kernel[(triton.cdiv(T, tok),)](k, slot_mapping, kv, T, nb * bs, formats.log2_block_size(bs), stride,
+                                          D=D, FP4=fmt == "mxfp4", POW2=bool(pow2_scale), TOK=tok, SOFT_FP8=soft,
+                                          HINTS=hints, PAIRS=_pairs(fmt, k), USE_ASM=_USE_ASM,
+                                          num_warps=warps)
 
 
 def gather_k(kv_cache, block_table, cu_seq_lens, k, k_scale, fmt):
