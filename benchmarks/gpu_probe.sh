@@ -11,17 +11,13 @@ source "$(dirname "$0")/device_common.sh"
 v=torch_sparse_indexer/_C/scoring_variant_ablate_compute.so
 [ -f $v ] && fits 200 "depth probe" && SWEEP_DEPTHS=0,3,6 timeout 200 python3 scripts/sweep_cuda_decode.py $v \
   > "$OUT/sweep.log" 2>&1; grep -sE "calc_diff|mxfp4" "$OUT/sweep.log" | cut -c1-200
-NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 if [ -n "$NCU" ] && fits 120 "ncu"; then
   timeout 120 "$NCU" --clock-control none --set full -k regex:decode_kernel --launch-skip 2 --launch-count 1 \
     -f -o /tmp/mx python3 scripts/ncu_scoring.py sparse mxfp4 cuda > "$OUT/ncu.log" 2>&1
   "$NCU" -i /tmp/mx.ncu-rep --page source --csv --print-source sass > /tmp/k.csv 2>/dev/null &&
     python3 scripts/ncu_hot.py /tmp/k.csv 12 | tee "$OUT/ncu_hot.txt"
   "$NCU" -i /tmp/mx.ncu-rep --page details --csv > "$OUT/ncu_details.csv" 2>/dev/null
-  python3 -c "import csv, re, sys
-for r in list(csv.reader(open(sys.argv[1])))[1:]:
-    if len(r) > 14 and re.search('Duration|Throughput|Issue Slots|Eligible|Active Warps|Occupancy|Registers|Hit Rate|Ipc', r[12]):
-        print(r[12], r[13], r[14])" "$OUT/ncu_details.csv" | head -n 40
+  python3 scripts/ncu_hot.py --details "$OUT/ncu_details.csv"
 fi
 fits 240 "sanitizer" && OUT=$OUT/san SAN_QUICK=1 SAN_TOOL_S=110 timeout 240 bash scripts/sanitize.sh racecheck memcheck \
   2>&1 | tail -n 8

@@ -11,8 +11,8 @@ source "$(dirname "$0")/device_common.sh"
 python3 -c "from torch_sparse_indexer.kernels import cuda_topk as ct; print('tri CTAs/SM', ct.tri_blocks_per_sm())" \
   | tee "$OUT/tri_occupancy.txt"
 # TOPK_BENCH_S: the step's timeout (default 150 s; longer for a build whose suite times extra alternative rows)
-fits "${TOPK_BENCH_S:=150}" "topk bench" && TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_FLASHINFER=0 timeout "$TOPK_BENCH_S" python3 benchmarks/bench.py \
-  --suite topk --out "$OUT" > "$OUT/topk_bench.log" 2>&1
+fits "${TOPK_BENCH_S:=150}" "topk bench" && TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_FLASHINFER=0 timeout "$TOPK_BENCH_S" \
+  python3 benchmarks/bench.py --suite topk --out "$OUT" > "$OUT/topk_bench.log" 2>&1
 grep -s "^\[topk\]" "$OUT/topk_bench.log"
 fits 150 "topk tests" && timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_topk_cuda.py \
   2>&1 | tail -n 3 | tee "$OUT/topk_tests.txt"

@@ -3,9 +3,21 @@
 Prints the executed instructions and warp-state samples of each run of consecutive executed instructions (the
 loops and phases of the kernel), the N largest by samples, the whole kernel's stall reasons, and the samples
 between consecutive block barriers (``BAR.SYNC``) or exits holding at least 0.5% of them: in a kernel whose
-phases end at barriers, where the warps' time goes phase by phase."""
+phases end at barriers, where the warps' time goes phase by phase.
+    ncu -i REPORT --page details --csv > d.csv; python scripts/ncu_hot.py --details d.csv
+prints the headline metrics of a details page instead (duration, throughputs, issue slots, warps, occupancy,
+registers, shared memory, hit rates, IPC)."""
 import csv
+import re
 import sys
+
+_DETAILS = re.compile("Duration|Throughput|Issue Slots|Eligible|Active Warps|Occupancy|Registers|Hit Rate|Ipc|Shared")
+
+
+def details(path: str, n: int = 40) -> None:
+    rows = [r for r in list(csv.reader(open(path)))[1:] if len(r) > 14 and _DETAILS.search(r[12])]
+    for r in rows[:n]:
+        print(r[12], r[13], r[14])
 
 
 def main(path: str, n: int = 14) -> None:
@@ -42,4 +54,7 @@ def main(path: str, n: int = 14) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(a) for a in sys.argv[2:3]))
+    if sys.argv[1] == "--details":
+        details(sys.argv[2])
+    else:
+        main(sys.argv[1], *(int(a) for a in sys.argv[2:3]))

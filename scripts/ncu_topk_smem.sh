@@ -5,17 +5,13 @@
 # SASS source pages come back xz-packed ($OUT/k_dense.csv.xz, k_sparse.csv.xz). Usage: bash scripts/ncu_topk_smem.sh
 set -u
 source benchmarks/device_common.sh
-NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 for shape in "dense 4096 16384" "sparse 4096 2048"; do
   n=$(echo $shape | cut -d' ' -f1)
-  timeout 200 "$NCU" --clock-control none --set full --import-source no -k regex:topk_kernel --launch-skip 1 --launch-count 1 \
-    -f -o /tmp/$n python3 scripts/ncu_topk.py $shape > "$OUT/ncu_$n.log" 2>&1
+  timeout 200 "$NCU" --clock-control none --set full --import-source no -k regex:topk_kernel --launch-skip 1 \
+    --launch-count 1 -f -o /tmp/$n python3 scripts/ncu_topk.py $shape > "$OUT/ncu_$n.log" 2>&1
   "$NCU" -i /tmp/$n.ncu-rep --page source --csv --print-source sass > "$OUT/k_$n.csv" 2>/dev/null &&
     python3 scripts/ncu_hot.py "$OUT/k_$n.csv" 16 | tee "$OUT/ncu_hot_$n.txt"
   "$NCU" -i /tmp/$n.ncu-rep --page details --csv > "$OUT/ncu_details_$n.csv" 2>/dev/null
-  python3 -c "import csv, re, sys
-for r in list(csv.reader(open(sys.argv[1])))[1:]:
-    if len(r) > 14 and re.search('Duration|Throughput|Issue Slots|Eligible|Active Warps|Occupancy|Registers|Ipc|Shared', r[12]):
-        print(r[12], r[13], r[14])" "$OUT/ncu_details_$n.csv" | head -n 40
+  python3 scripts/ncu_hot.py --details "$OUT/ncu_details_$n.csv"
 done
 xz -9 "$OUT"/k_*.csv
