@@ -21,6 +21,11 @@ COPY_BW = 4.27e12          # bytes/s, device-to-device copy (read + write)
 FP8_RATE = 1281e12         # flop/s, torch._scaled_mm fp8 8192^3
 BF16_RATE = 695e12
 
+# How the L2 is flushed between timed repetitions: "write" (the default: do_bench's zero_() of 256 MB, which leaves
+# the L2 full of dirty lines that are written back while the timed kernel reads) or "read" (a reduction over 256 MB,
+# which leaves it full of clean lines: the L2 state of rotated inputs, the issue's other allowed method).
+FLUSH = os.environ.get("TSI_BENCH_FLUSH", "write")
+
 
 def floor_us(bytes_moved: float = 0.0, flops: float = 0.0, flop_rate: float = FP8_RATE) -> float:
     """max(bytes / copy bandwidth, flops / rate) in microseconds."""
@@ -29,7 +34,7 @@ def floor_us(bytes_moved: float = 0.0, flops: float = 0.0, flop_rate: float = FP
 
 def environment() -> dict:
     env = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda or "",
-           "gpu": "", "sms": "", "clocks": ""}
+           "gpu": "", "sms": "", "clocks": "", "l2_flush": FLUSH}
     try:
         import triton
         env["triton"] = triton.__version__
@@ -65,15 +70,31 @@ def record(**row) -> dict:
     return out
 
 
+def _median_clean_flush_us(run: Callable[[], None], reps: int = 100) -> float:
+    buf = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")
+    times = []
+    for _ in range(reps):
+        buf.sum()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def time_us(fn: Callable[[], None], graph: bool = True, warmup: int = 3, rep_ms: int = 200) -> float:
     """Median time of ``fn`` in microseconds. ``graph``: capture ``fn`` once and time replays (what a
-    serving engine sees); otherwise time eager calls. L2 is flushed between repetitions."""
+    serving engine sees); otherwise time eager calls. L2 is flushed between repetitions (see ``FLUSH``)."""
     import triton.testing
 
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     run = testing.capture_graph(fn).replay if graph else fn
+    if FLUSH == "read":
+        return _median_clean_flush_us(run)
     ms = triton.testing.do_bench(run, warmup=25, rep=rep_ms, return_mode="median")
     return ms * 1e3
 
