@@ -2,7 +2,8 @@
 
 Every row a suite returns is a dict; ``record()`` adds the hardware and software conditions so each number
 says where it came from (gpt-fast's rule). Times are medians of CUDA-graph replays (or of CUDA-event timed
-calls) with the L2 flushed between repetitions by ``triton.testing.do_bench`` semantics.
+calls) with the L2 flushed between repetitions: by ``triton.testing.do_bench`` semantics (a write of 256 MB) or,
+with ``TSI_BENCH_FLUSH=read``, by a read of 256 MB (see ``FLUSH``); every row records which (``env_l2_flush``).
 """
 from __future__ import annotations
 
@@ -70,11 +71,39 @@ def record(**row) -> dict:
     return out
 
 
-def _median_clean_flush_us(run: Callable[[], None], reps: int = 100) -> float:
-    buf = torch.zeros(64 << 20, dtype=torch.float32, device="cuda")
+_FLUSH_STATE: dict = {}
+
+
+def flush_l2() -> None:
+    """Evicts the L2 before a timed repetition, the ``FLUSH`` way: "write" zeroes 256 MB (as do_bench does),
+    "read" sums 256 MB in a kernel named ``_l2_flush_read`` (the profiler-based timings leave it out by name)."""
+    if "buf" not in _FLUSH_STATE:
+        _FLUSH_STATE["buf"] = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    buf = _FLUSH_STATE["buf"]
+    if FLUSH != "read":
+        buf.zero_()
+        return
+    if "kernel" not in _FLUSH_STATE:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _l2_flush_read(x_ptr, out_ptr, BLOCK: tl.constexpr):
+            pid = tl.program_id(0)
+            v = tl.load(x_ptr + pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK))
+            tl.store(out_ptr + pid, tl.sum(v, axis=0))
+
+        words = buf.view(torch.int32)
+        block = 8192
+        out = torch.empty(words.numel() // block, dtype=torch.int32, device="cuda")
+        _FLUSH_STATE["kernel"] = lambda: _l2_flush_read[(out.numel(),)](words, out, BLOCK=block)
+    _FLUSH_STATE["kernel"]()
+
+
+def _median_flushed_us(run: Callable[[], None], reps: int = 100) -> float:
     times = []
     for _ in range(reps):
-        buf.sum()
+        flush_l2()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         run()
@@ -94,7 +123,7 @@ def time_us(fn: Callable[[], None], graph: bool = True, warmup: int = 3, rep_ms:
     torch.cuda.synchronize()
     run = testing.capture_graph(fn).replay if graph else fn
     if FLUSH == "read":
-        return _median_clean_flush_us(run)
+        return _median_flushed_us(run)
     ms = triton.testing.do_bench(run, warmup=25, rep=rep_ms, return_mode="median")
     return ms * 1e3
 
@@ -105,18 +134,18 @@ def kernel_us(fn: Callable[[], None], reps: int = 20) -> float:
     CUDA-graph overheads excluded, unlike ``time_us``. NaN where the profiler records no kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     fn()
+    flush_l2()
     torch.cuda.synchronize()
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):
-                flush.zero_()
+                flush_l2()
                 fn()
             torch.cuda.synchronize()
         total = sum(e.time_range.elapsed_us() for e in prof.events()
                     if e.device_type == torch.autograd.DeviceType.CUDA
-                    and not any(f in e.name for f in ("Fill", "Memset", "memset")))  # the flush
+                    and not any(f in e.name for f in ("Fill", "Memset", "memset", "_l2_flush_read")))  # the flush
     except Exception as e:  # no CUPTI, or an event API this torch lacks
         print(f"kernel_us: profiler unavailable ({type(e).__name__}: {e})")
         return float("nan")
@@ -128,18 +157,7 @@ def replay_us(fn: Callable[[], None], reps: int = 50) -> float:
     process group that each time a step with collectives this way stay paired."""
     fn()
     torch.cuda.synchronize()
-    g = testing.capture_graph(fn)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return _median_flushed_us(testing.capture_graph(fn).replay, reps)
 
 
 def write_csv(rows: Iterable[dict], path: str) -> None:
