@@ -20,7 +20,8 @@ amax time. Times: median of CUDA-graph replays, L2 flushed; ``kernel_us`` (ours 
 GPU time from a profiler trace, L2 flushed, without launch and graph overheads. ``check``: our output equals
 ``reference.py`` on the first rows. ``--quick`` shrinks the shapes.
 ``TSI_BENCH_TOPK_TARGETS=1``: the issue's target shapes only, ours and ``amax`` only (to compare builds of
-the library, picked with ``TORCH_SPARSE_INDEXER_TOPK_LIB``, in one device call).
+the library, picked with ``TORCH_SPARSE_INDEXER_TOPK_LIB``, in one device call); ``TSI_BENCH_TOPK_DECODE=1`` as
+well: the decode shape (128 x 128K) only.
 
 Public baseline: where FlashInfer's top-k is built (``benchmarks/baselines/build_flashinfer_topk.sh``; loaded
 from ``$TSI_FLASHINFER_TOPK_LIB`` or ``.deps/flashinfer_topk/libtsi_fi_topk.so``), the fp32 ``topk`` rows also
@@ -44,6 +45,7 @@ COLUMNS = ["op", "shape", "k", "impl", "time_us", "kernel_us", "floor_us", "x_re
 DEV = "cuda"
 CHECK_ROWS = 8
 TARGETS_ONLY = os.environ.get("TSI_BENCH_TOPK_TARGETS", "0") == "1"
+DECODE_ONLY = TARGETS_ONLY and os.environ.get("TSI_BENCH_TOPK_DECODE", "0") == "1"
 
 
 def _lengths(R, W, gen):
@@ -275,15 +277,16 @@ def run(args) -> list[dict]:
         for R in (1, 8, 32, 64):  # small decode batches: the cluster kernel's range
             rows += _topk_case(R, K128, 2048, torch.float32, gen)
         rows += _topk_case(64, 1 << 20, 2048, torch.float32, gen)
-    R = 512 if q else 4096
-    rows += _topk_case(R, 16384, 2048, torch.float32, gen)
-    for pattern in ("all_equal", "neg_inf_half"):
-        rows += _topk_case(R, 16384, 2048, torch.float32, gen, pattern)
-    rows += _sparse_case(R, 2048, 8, 2048, gen)
-    rows += _topk_case(R, K128, 2048, torch.float32, gen)
-    if not TARGETS_ONLY:
-        rows += _topk_case(R, K128, 2048, torch.bfloat16, gen)
-    rows += _block_case(R, K128, 8, 2048, gen)
+    if not DECODE_ONLY:
+        R = 512 if q else 4096
+        rows += _topk_case(R, 16384, 2048, torch.float32, gen)
+        for pattern in ("all_equal", "neg_inf_half"):
+            rows += _topk_case(R, 16384, 2048, torch.float32, gen, pattern)
+        rows += _sparse_case(R, 2048, 8, 2048, gen)
+        rows += _topk_case(R, K128, 2048, torch.float32, gen)
+        if not TARGETS_ONLY:
+            rows += _topk_case(R, K128, 2048, torch.bfloat16, gen)
+        rows += _block_case(R, K128, 8, 2048, gen)
     for r in rows:
         if r["impl"].startswith("cuda"):
             alt = "" if r["impl"] == "cuda" else f" [{r['impl'][5:]}]"
