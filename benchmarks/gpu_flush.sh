@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the top-k target shapes and the scoring suite sections in SECTIONS under both L2 flushes
 # (TSI_BENCH_FLUSH=write, every earlier figure's, and =read, the L2 state of rotated inputs; benchmarks/common.py),
-# then the read-path probe (scripts/bulk_read_probe.cu, compiled beforehand into probe_bin/) under both. Logs packed into
-# $OUT/logs.tgz. Carry [".carry", ".whl"]:  BUDGET=520 SECTIONS="decode cache" bash benchmarks/gpu_flush.sh
+# then the read-path probe (scripts/bulk_read_probe.cu, compiled beforehand into probe_bin/) under both. Logs are
+# packed into $OUT/logs.tgz. Carry [".carry", ".whl"]:  BUDGET=520 SECTIONS="decode cache" bash benchmarks/gpu_flush.sh
 source "$(dirname "$0")/device_common.sh"
 mkdir -p "$OUT/logs"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee "$OUT/logs/env.txt"
@@ -10,8 +10,8 @@ for fl in write read; do
   fits 70 "topk $fl" && TSI_BENCH_FLUSH=$fl TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_FLASHINFER=0 timeout 70 \
     python3 benchmarks/bench.py --suite topk --out "$OUT/topk_$fl" > "$OUT/logs/topk_$fl.log" 2>&1
   echo "== topk, $fl flush"
-  grep -sE "^\[topk\] (topk 128x128K k=2048|topk 4096x16K k=2048|sparse_topk 4096x2048blk\*8 k=2048|topk 4096x128K k=2048|block_topk 4096x128K/8 k=2048):" \
-    "$OUT/logs/topk_$fl.log"
+  targets="topk 128x128K|topk 4096x16K|sparse_topk 4096x2048blk\*8|topk 4096x128K|block_topk 4096x128K/8"
+  grep -sE "^\[topk\] ($targets) k=2048:" "$OUT/logs/topk_$fl.log"
 done
 # SECTIONS: the scoring suite's sections (TSI_BENCH_ONLY), each timed under both flushes
 for sec in ${SECTIONS:-decode cache}; do

@@ -239,7 +239,8 @@ int main(int argc, char** argv) {
   printf("# %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   Timer T;
   T.clean = argc > 1 && argv[1][0] == 'c';
-  printf("# L2 flushed before each run by %s\n", T.clean ? "reading 512 MB (clean lines)" : "writing 512 MB (cudaMemset: dirty lines)");
+  printf("# L2 flushed before each run by %s\n",
+         T.clean ? "reading 512 MB (clean lines)" : "writing 512 MB (cudaMemset: dirty lines)");
   float* out;
   CK(cudaMalloc(&out, 1 << 20));
   const int R = 128, NC = 131072;
@@ -301,12 +302,14 @@ int main(int argc, char** argv) {
     rep(name, gb, T.median_us([&] { ldg_gather<2><<<dim3(R, parts), 128>>>(cache, dbt, dcand, NBLK, MB, NB, out); }));
     snprintf(name, sizeof name, "gather ldg U=4, %d programs/row", parts);
     rep(name, gb, T.median_us([&] { ldg_gather<4><<<dim3(R, parts), 128>>>(cache, dbt, dcand, NBLK, MB, NB, out); }));
-#define GBULK(S, B)                                                                                          \
-  do {                                                                                                       \
-    const int sm = 256 + S * B * (VAL + SCL);                                                                \
-    set_smem(bulk_gather<S, B>, sm);                                                                         \
-    snprintf(name, sizeof name, "gather bulk %dx%d blocks, %d programs/row", S, B, parts);                  \
-    rep(name, gb, T.median_us([&] { bulk_gather<S, B><<<dim3(R, parts), 128, sm>>>(cache, dbt, dcand, NBLK, MB, NB, out); })); \
+#define GBULK(S, B)                                                                          \
+  do {                                                                                       \
+    const int sm = 256 + S * B * (VAL + SCL);                                                \
+    set_smem(bulk_gather<S, B>, sm);                                                         \
+    snprintf(name, sizeof name, "gather bulk %dx%d blocks, %d programs/row", S, B, parts);  \
+    rep(name, gb, T.median_us([&] {                                                          \
+      bulk_gather<S, B><<<dim3(R, parts), 128, sm>>>(cache, dbt, dcand, NBLK, MB, NB, out);  \
+    }));                                                                                     \
   } while (0)
     GBULK(4, 8);
     GBULK(8, 8);
