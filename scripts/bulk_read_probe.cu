@@ -154,8 +154,8 @@ __global__ void __launch_bounds__(128) ldg_gather(const unsigned char* cache, co
   if (a == 12345.f) out[r] = a;
 }
 
-// Bulk copies: lane j < 2 * BPS of warp 0 issues one copy (values of block j / 2 or its scales) per stage of BPS
-// blocks; STAGES stages in flight.
+// Bulk copies: thread 0 issues two copies per block (its values, its scales), BPS blocks a stage, STAGES stages in
+// flight; the CTA folds a stage and releases it with a barrier.
 template <int STAGES, int BPS>
 __global__ void __launch_bounds__(128) bulk_gather(const unsigned char* cache, const int* bt, const int* cand, int nblk,
                                                    int mb, int NB, float* out) {

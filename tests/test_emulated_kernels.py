@@ -37,7 +37,7 @@ TOPK_SUBSET = ("test_topk_random or (test_topk_patterns and 1023) or test_topk_o
 
 def _pytest(args, env_extra, timeout):
     env = dict(os.environ)
-    for k in ("TSI_TOPK_EMU", "TRITON_INTERPRET", "TSI_TEST_DEVICE", "TORCH_SPARSE_INDEXER_SCORING_LIB"):
+    for k in ("TSI_TOPK_EMU", "TRITON_INTERPRET", "TSI_TEST_DEVICE", "TORCH_SPARSE_INDEXER_SCORING_LIB", "TSI_EMU_SMS"):
         env.pop(k, None)
     env.update(env_extra)
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
