@@ -468,12 +468,33 @@ def _fake_quantize_q(q, weights, fmt, weight_scale):
             torch.empty((T, H), dtype=torch.int32, device=q.device), w)
 
 
+def _other_cuda_device(args) -> int | None:
+    """The CUDA device index of the op's tensors where it is not the current device, else None.
+
+    Triton, the CUDA libraries and DeepGEMM launch on the *current* device (with that device's stream), and a
+    Python kernel registered through ``torch.library`` gets no device guard from the dispatcher; so a call on
+    ``cuda:1`` tensors while ``cuda:0`` is current (``device_map``-style placement, one process driving several
+    GPUs) would launch on the wrong GPU. Validation has already checked that all tensors share one device.
+    """
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.device.type != "cuda":
+                return None
+            idx = a.device.index
+            return idx if idx is not None and idx != torch.cuda.current_device() else None
+    return None
+
+
 def _make_impl(name):
     validate = VALIDATORS[name]
 
     def impl(*args):
         validate(*args)
-        return backends.dispatch(name, *args)
+        dev = _other_cuda_device(args)
+        if dev is None:
+            return backends.dispatch(name, *args)
+        with torch.cuda.device(dev):
+            return backends.dispatch(name, *args)
     impl.__name__ = f"{name}_impl"
     return impl
 

@@ -56,6 +56,20 @@ class Library:
         return True
 
 
+def on_device(fn: Callable) -> Callable:
+    """Decorator for ``fn(device, ...)``: runs it with ``device`` current where that is a CUDA device, so that what
+    it compiles and launches (Triton, the CUDA libraries and DeepGEMM all use the current device) lands there,
+    not on whichever device the caller had current (the ops get the same guard in ``ops.py``)."""
+    @functools.wraps(fn)
+    def wrapper(device, *args, **kwargs):
+        device = torch.device(device)
+        if device.type != "cuda":
+            return fn(device, *args, **kwargs)
+        with torch.cuda.device(device):
+            return fn(device, *args, **kwargs)
+    return wrapper
+
+
 def stream(t: torch.Tensor) -> int:
     """The current CUDA stream of ``t``'s device as an integer (0 for CPU tensors)."""
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from .. import backends, formats, workspace as ws_mod
-from . import deepgemm_translate as tr
+from . import _cudalib, deepgemm_translate as tr
 
 try:
     import triton
@@ -564,6 +564,7 @@ def register() -> None:
         backends.register(op, "deepgemm", fn, supports=sup, priority=PRIORITY)
 
 
+@_cudalib.on_device
 def warmup(device, num_heads: int, head_dim: int, fmt: str, block_size: int = 64, cbs: int = 8, *,
            max_rows: int = 32, weights_dtype: Optional[torch.dtype] = None,
            logits_dtypes=(torch.float32,), num_candidate_blocks: Optional[int] = None, streams=()) -> list[str]:

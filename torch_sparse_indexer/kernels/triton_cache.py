@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import backends, formats
+from . import _cudalib
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # The bf16-pair MXFP4 encoder in PTX (add.rn.bf16x2, max.u16x2: SM90+); the interpreter runs its plain-Triton form.
@@ -498,6 +499,7 @@ def _supports_quantize_q(q, weights, fmt, weight_scale):
     return _supports_cuda(q)
 
 
+@_cudalib.on_device
 def warmup(device, head_dim: int, fmt: str, k_dtypes=(torch.bfloat16,), slot_dtypes=(torch.int64, torch.int32),
            weights_dtypes=(torch.float32,), pow2_scale=(True,)):
     """Compile the cache kernels a configuration uses (tiny launches)."""

@@ -1032,6 +1032,7 @@ def _supports_paged(q, q_scale, kv_cache, weights, *rest):
 # Warmup: compile every variant a configuration can launch, before any CUDA-graph capture
 # ----------------------------------------------------------------------------------------------------
 
+@_cudalib.on_device
 def warmup(device, num_heads: int, head_dim: int, fmt: str, block_size: int = 64, cbs: int = 8,
            weights_dtypes=(torch.float32,), logits_dtypes=(torch.float32,), ops=None, candidate_slots=None):
     """Launch every scoring kernel variant the configuration can use on tiny inputs (compiles them).
