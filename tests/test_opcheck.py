@@ -132,3 +132,28 @@ def test_fake_outputs_match_real(device):
                 assert f is None
                 continue
             assert (r.dtype, r.shape, r.stride(), r.storage_offset()) == (f.dtype, f.shape, f.stride(), f.storage_offset())
+
+
+@pytest.mark.parametrize("op", sorted(set(SCHEMAS) - {"gather_k"}))  # (gather_k has no float input)
+def test_not_differentiable(op):
+    """Float inputs that require grad are accepted; nothing the op writes or returns requires grad or carries a
+    grad_fn, on the reference backend too (a PyTorch backend must not record an autograd graph through its
+    writes), and no autograd warning is raised."""
+    import warnings
+    a = cases.op_args(op, "fp8")
+    schema = getattr(torch.ops.sparse_indexer, op).default._schema
+    written = {x.name for x in schema.arguments if x.alias_info is not None and x.alias_info.is_write}
+    grads = []
+    for n, v in a.items():
+        if isinstance(v, torch.Tensor) and n not in written and v.dtype in (torch.float32, torch.bfloat16):
+            a[n] = v.detach().clone().requires_grad_()
+            grads.append(n)
+    assert grads, f"{op}: no float input to make require grad"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ret = cases.call(op, a)
+    outs = [a[n] for n in written if isinstance(a[n], torch.Tensor)]
+    outs += [r for r in (ret if isinstance(ret, tuple) else ()) if isinstance(r, torch.Tensor)]
+    assert outs, f"{op}: nothing written or returned"
+    for t in outs:
+        assert not t.requires_grad and t.grad_fn is None, f"{op}: an output requires grad ({t.grad_fn})"

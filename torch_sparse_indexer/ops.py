@@ -9,9 +9,12 @@ live elsewhere and register themselves with :mod:`torch_sparse_indexer.backends`
 * :mod:`torch_sparse_indexer.kernels` -- GPU kernels (Triton, CUDA, DeepGEMM)
 
 Mutable ops return nothing and name what they write with ``(a!)``. Errors are ``ValueError`` /
-``TypeError`` naming the argument, the expectation and what was given.
+``TypeError`` naming the argument, the expectation and what was given. The ops are not differentiable (what
+they write or return never requires grad) and run on their tensors' device whichever CUDA device is current.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.library import Library
@@ -491,9 +494,9 @@ def _make_impl(name):
     def impl(*args):
         validate(*args)
         dev = _other_cuda_device(args)
-        if dev is None:
-            return backends.dispatch(name, *args)
-        with torch.cuda.device(dev):
+        # no_grad: the ops are not differentiable, and a backend written in PyTorch (the reference) would
+        # otherwise record an autograd graph through its writes (CPU gradients that no GPU backend gives).
+        with torch.no_grad(), (torch.cuda.device(dev) if dev is not None else contextlib.nullcontext()):
             return backends.dispatch(name, *args)
     impl.__name__ = f"{name}_impl"
     return impl
@@ -513,6 +516,9 @@ for _name, _schema in SCHEMAS.items():
     _impl = _make_impl(_name)
     _lib.impl(_name, _impl, "CPU")
     _lib.impl(_name, _impl, "CUDA")
+    # Not differentiable: outputs never require grad, and no autograd warning at backward (torch's advice for
+    # ops without a derivative).
+    _lib.impl(_name, torch.library.fallthrough_kernel, "Autograd")
     torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake_quantize_q if _name == "quantize_q" else _make_fake(_name),
                                 lib=_lib)
     # The end-to-end ops' reference is the composition of the other ops (each dispatched on its own).
