@@ -1,22 +1,44 @@
 #!/usr/bin/env bash
-# One device call: the top-k decode shape (128 x 128K, k 2048) on the default library and on every
-# torch_sparse_indexer/_C/variant_*.so (benchmarks/build_variants.sh), under both L2 flushes (benchmarks/common.py),
+# One device call: top-k target shapes on the default library and on variant builds
+# (torch_sparse_indexer/_C/variant_*.so, benchmarks/build_variants.sh) under the L2 flushes (benchmarks/common.py),
 # the default first and last. Carry [".carry", ".whl"]:  BUDGET=300 bash benchmarks/gpu_decode_sweep.sh
+#   VARIANTS="prefetch_0 prefetch_128"  only these builds (default: every variant_*.so)
+#   TARGETS=all                         every top-k target shape (default: decode, the 128 x 128K rows only)
+#   FLUSHES="write"                     the flushes to run (default: "write read")
+#   TESTS="-k random"                   also run tests/test_topk_cuda.py with these pytest arguments on each variant
 source "$(dirname "$0")/device_common.sh"
 mkdir -p "$OUT/logs"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee "$OUT/logs/env.txt"
+decode=1
+[ "${TARGETS:-decode}" = all ] && decode=""
+secs=40
+[ -z "$decode" ] && secs=90
 one() {  # name library
-  for fl in write read; do
-    fits 40 "$1 $fl" || return 0
-    TORCH_SPARSE_INDEXER_TOPK_LIB=$2 TSI_BENCH_FLUSH=$fl TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_TOPK_DECODE=1 \
-      TSI_BENCH_FLASHINFER=0 timeout 40 python3 benchmarks/bench.py --suite topk --out "$OUT/$1_$fl" \
+  for fl in ${FLUSHES:-write read}; do
+    fits $secs "$1 $fl" || return 0
+    TORCH_SPARSE_INDEXER_TOPK_LIB=$2 TSI_BENCH_FLUSH=$fl TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_TOPK_DECODE=$decode \
+      TSI_BENCH_FLASHINFER=0 timeout $secs python3 benchmarks/bench.py --suite topk --out "$OUT/$1_$fl" \
       > "$OUT/logs/$1_$fl.log" 2>&1
-    echo "== $1, $fl flush"; grep "^\[topk\] topk" "$OUT/logs/$1_$fl.log" | grep -v "cluster\|two-pass"
+    echo "== $1, $fl flush"; grep "^\[topk\] \(sparse_\|block_\)\?topk" "$OUT/logs/$1_$fl.log" | grep -v "cluster\|two-pass"
   done
 }
+variants=()
+if [ -n "${VARIANTS:-}" ]; then
+  for n in $VARIANTS; do variants+=("torch_sparse_indexer/_C/variant_$n.so"); done
+else
+  variants=(torch_sparse_indexer/_C/variant_*.so)
+fi
 one default ""
-for v in torch_sparse_indexer/_C/variant_*.so; do
-  [ -f "$v" ] && one "$(basename "$v" .so)" "$PWD/$v"
+for v in "${variants[@]}"; do
+  [ -f "$v" ] || { echo "missing $v"; continue; }
+  n=$(basename "$v" .so)
+  if [ -n "${TESTS:-}" ] && fits 150 "$n tests"; then
+    # shellcheck disable=SC2086
+    TORCH_SPARSE_INDEXER_TOPK_LIB=$PWD/$v timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_topk_cuda.py \
+      $TESTS > "$OUT/logs/${n}_tests.log" 2>&1
+    echo "== $n tests: $(tail -n 1 "$OUT/logs/${n}_tests.log")"
+  fi
+  one "$n" "$PWD/$v"
 done
 one default_again ""
 tar czf "$OUT/logs.tgz" -C "$OUT" logs
