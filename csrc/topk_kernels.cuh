@@ -1597,8 +1597,8 @@ __device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   smem_rows_select(sm, src, out, kk);
 }
 
-// Sampled shared-memory rows (experimental, -DTSI_SMEM_SAMPLED=1; benchmarks/variants/smem_sampled.flags): dense fp32
-// rows, 16-byte aligned, much longer than k. The row is copied raw into K by cp.async in four commit groups as in
+// Sampled shared-memory rows (experimental, -DTSI_SMEM_SAMPLED=1; benchmarks/variants/smem_sampled.flags): fp32
+// rows (dense, or sparse with their columns' validity in a byte table), 16-byte aligned, much longer than k. The row is copied raw into K by cp.async in four commit groups as in
 // keys_to_smem_async, but warp w owns the 32 * NU chunks [w * 32 NU, (w + 1) * 32 NU) and its u-th copy is the
 // u-th run of 32 chunks in them, so the first group is a strided quarter of the row (its first 256 columns of every
 // 1024). That quarter is the sample: its keys give tau (sample_tau's two digits) while the other groups land,
@@ -1621,10 +1621,32 @@ __device__ __forceinline__ bool smem_sampled_fits(int m, int kk) {
   return SS_ENABLED && 5 * kk <= 3 * SS_CAP && m >= 4 * kk && m >= SMEM_KEYS / 4;
 }
 
-// K = the row's raw fp32 bits -> keys in place (0 past m), hist = their top digit, ctl[4] = 0: what keys_to_smem
-// leaves, for smem_rows_select. All copies have landed (a barrier after every thread's last wait).
+// Columns of a sampled shared-memory row that are elements: all of a dense row's; a sparse row's from its byte table
+// tvb (valid columns at the start of each candidate block, SparseSrc::valid_in). chunk_mask(c): bits of the four
+// columns of chunk c (inside one candidate block: cbs >= 4 and chunks aligned); col(i): column i.
 template <class Src>
-__device__ void smem_convert_in_place(Smem& sm, const Src& src, uint32_t* K) {
+struct SampledValid {
+  const Src& src;
+  const uint8_t* tvb;
+  __device__ __forceinline__ uint32_t chunk_mask(int c) const {
+    if constexpr (Src::KIND == DENSE) {
+      return 0xfu;
+    } else {
+      const int col = 4 * c, v = (int)tvb[col >> src.lcbs] - (col & (src.cbs - 1));
+      return v >= 4 ? 0xfu : (v <= 0 ? 0u : (1u << v) - 1u);
+    }
+  }
+  __device__ __forceinline__ bool col(int i) const {
+    if constexpr (Src::KIND == DENSE) return true;
+    else return (i & (src.cbs - 1)) < (int)tvb[i >> src.lcbs];
+  }
+};
+
+// K = the row's raw fp32 bits -> keys in place (0 past m and for columns that are not elements), hist = their top
+// digit, ctl[4] = 0: what keys_to_smem leaves, for smem_rows_select. All copies have landed (a barrier after every
+// thread's last wait).
+template <class Src>
+__device__ void smem_convert_in_place(Smem& sm, const Src& src, uint32_t* K, const SampledValid<Src>& ok) {
   const int m = src.m, nfull = m >> 2;
   __syncthreads();
   clear_hist(sm);
@@ -1633,36 +1655,48 @@ __device__ void smem_convert_in_place(Smem& sm, const Src& src, uint32_t* K) {
   for (int c = threadIdx.x; c < nfull; c += THREADS) {
     uint4* q = reinterpret_cast<uint4*>(K + 4 * kgroup(c));
     uint4 v = *q;
-    v.x = f32_key(v.x); v.y = f32_key(v.y); v.z = f32_key(v.z); v.w = f32_key(v.w);
+    const uint32_t vm = ok.chunk_mask(c);
+    v.x = vm & 1u ? f32_key(v.x) : 0u;
+    v.y = vm & 2u ? f32_key(v.y) : 0u;
+    v.z = vm & 4u ? f32_key(v.z) : 0u;
+    v.w = vm & 8u ? f32_key(v.w) : 0u;
     *q = v;
-    atomicAdd(&sm.hist[v.x >> 21], 1u);
-    atomicAdd(&sm.hist[v.y >> 21], 1u);
-    atomicAdd(&sm.hist[v.z >> 21], 1u);
-    atomicAdd(&sm.hist[v.w >> 21], 1u);
+    const uint32_t key[4] = {v.x, v.y, v.z, v.w};
+    hist_keys<4>(sm, key, 0, 0u);
   }
   for (int i = 4 * nfull + threadIdx.x; i < round32(m); i += THREADS) {
-    const uint32_t key = i < m ? f32_key(K[kslot(i)]) : 0u;  // the tail (raw, stored by thread 0), then padding
+    // the tail (raw, stored by thread 0), then padding
+    const uint32_t key = i < m && ok.col(i) ? f32_key(K[kslot(i)]) : 0u;
     K[kslot(i)] = key;
-    if (i < m) atomicAdd(&sm.hist[key >> 21], 1u);
+    if (key != 0u) atomicAdd(&sm.hist[key >> 21], 1u);
   }
   __syncthreads();
 }
 
 template <class Src>
 __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
-  static_assert(Src::E == 4 && Src::KIND == DENSE, "dense fp32 rows");
+  static_assert(Src::E == 4 && (Src::KIND == DENSE || Src::KIND == SPARSE), "fp32 rows");
+  constexpr bool SP = Src::KIND == SPARSE;
   constexpr int NU = SS_NU, G = SS_G, PER = NU / G;
   static_assert(SS_ENABLED && sizeof(Src) > 0, "commit groups of whole chunks per thread: the first is the sample");
   uint32_t* K = sm.region;
   uint32_t* candK = sm.region + SMEM_KEYS;  // the survivors' keys (the staged output later)
   uint32_t* candI = candK + SS_CAP;
-  uint32_t* Gb = candI + SS_CAP;  // bitmaps of the selection
+  uint32_t* Gb = candI + SS_CAP;  // bitmaps of the selection (a sparse row's byte table until the survivors are in)
   uint32_t* Qb = Gb + SMEM_WORDS;
+  static_assert(SMEM_KEYS / 8 <= 4 * 2 * SMEM_WORDS && SMEM_KEYS / 8 <= 2 * SS_CAP, "a sparse row's ids and table");
+  const SampledValid<Src> valid{src, reinterpret_cast<const uint8_t*>(Gb)};
   static_assert(2 * SS_CAP >= LIST_CAP, "the staged output (k <= LIST_CAP) fits where the survivors were");
   const int m = src.m, nfull = m >> 2, tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int W = (m + 31) >> 5;
   auto chunk = [&](int u) { return warp * (32 * NU) + u * 32 + lane; };
   TSI_MARK(10);
+  int nb = 0;  // a sparse row's candidate blocks: their ids go first (their own commit group), into candK
+  if constexpr (SP) {
+    nb = (m + src.cbs - 1) >> src.lcbs;
+    for (int b = tid; b < nb; b += THREADS) cp_async<4>(candK + b, src.blk + b);
+    cp_async_commit();
+  }
 #pragma unroll
   for (int g = 0; g < G; ++g) {
 #pragma unroll
@@ -1677,6 +1711,11 @@ __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
     sm.ctl[4] = 0u;
     for (int i = 4 * nfull; i < m; ++i) K[kslot(i)] = DT<float>::load1(src.ch.row, i);  // the tail, raw
   }
+  if constexpr (SP) {  // this thread's ids have landed: the valid columns of their blocks, as bytes
+    cp_async_wait<G>();
+    uint8_t* tvb = reinterpret_cast<uint8_t*>(Gb);
+    for (int b = tid; b < nb; b += THREADS) tvb[b] = (uint8_t)src.valid_in((int)candK[b]);
+  }
   __syncthreads();
   // The sample: the first group's keys, their top digit's histogram and their count (sv).
   cp_async_wait<G - 1>();
@@ -1687,8 +1726,12 @@ __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
     uint32_t key[4] = {0u, 0u, 0u, 0u};
     if (c < nfull) {
       const uint4 v = *reinterpret_cast<const uint4*>(K + 4 * kgroup(c));
-      key[0] = f32_key(v.x); key[1] = f32_key(v.y); key[2] = f32_key(v.z); key[3] = f32_key(v.w);
-      own += 4u;
+      const uint32_t vm = valid.chunk_mask(c);
+      key[0] = vm & 1u ? f32_key(v.x) : 0u;
+      key[1] = vm & 2u ? f32_key(v.y) : 0u;
+      key[2] = vm & 4u ? f32_key(v.z) : 0u;
+      key[3] = vm & 8u ? f32_key(v.w) : 0u;
+      own += (uint32_t)__popc(vm);
     }
     hist_keys<4>(sm, key, 0, 0u);
   }
@@ -1696,8 +1739,16 @@ __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
   if (lane == 0 && own != 0u) atomicAdd(&sm.ctl[4], own);
   __syncthreads();
   TSI_MARK(11);
-  const int sv = (int)sm.ctl[4];
-  int jr = (target_count(kk, SS_CAP) * sv + m - 1) / m;  // the sample rank whose expected row count is T
+  const int sv = (int)sm.ctl[4];  // the sample's elements
+  int S = 0;  // the sample's columns (a sparse row's invalid ones included: the row's m counts them too)
+  for (int w = 0; w < NWARPS; ++w) {
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      const int r = nfull - (w * 32 * NU + u * 32);
+      S += r <= 0 ? 0 : (r >= 32 ? 32 : r);
+    }
+  }
+  int jr = (target_count(kk, SS_CAP) * 4 * S + m - 1) / m;  // the sample rank whose expected row count is T
   jr = jr < 1 ? 1 : jr;
   const bool ok = sv > 0 && jr <= sv;
   uint32_t tau = 0u;
@@ -1712,7 +1763,11 @@ __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
       uint32_t key[4] = {0u, 0u, 0u, 0u};
       if (c < nfull) {
         const uint4 v = *reinterpret_cast<const uint4*>(K + 4 * kgroup(c));
-        key[0] = f32_key(v.x); key[1] = f32_key(v.y); key[2] = f32_key(v.z); key[3] = f32_key(v.w);
+        const uint32_t vm = valid.chunk_mask(c);
+        key[0] = vm & 1u ? f32_key(v.x) : 0u;
+        key[1] = vm & 2u ? f32_key(v.y) : 0u;
+        key[2] = vm & 4u ? f32_key(v.z) : 0u;
+        key[3] = vm & 8u ? f32_key(v.w) : 0u;
       }
       hist_keys<4>(sm, key, 11, B1);
     }
@@ -1724,7 +1779,8 @@ __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
   TSI_MARK(12);
   if (ok) {
     if (tid == 0) sm.ctl[4] = sm.ctl[6] = 0u;
-    for (int w = tid; w < W; w += THREADS) Gb[w] = Qb[w] = 0u;
+    if constexpr (!SP)
+      for (int w = tid; w < W; w += THREADS) Gb[w] = Qb[w] = 0u;
     __syncthreads();
     const bool fast = tau > 0x80000000u;  // a positive threshold: key >= tau <=> score >= tf
     const float tf = __uint_as_float(tau & 0x7fffffffu);
@@ -1742,6 +1798,7 @@ __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
 #pragma unroll
           for (int e = 0; e < 4; ++e)
             mask[j] |= (uint32_t)(fast ? __uint_as_float(raw[j][e]) >= tf : f32_key(raw[j][e]) >= tau) << e;
+          if (SP && mask[j] != 0u) mask[j] &= valid.chunk_mask(c);
         }
       }
       uint32_t n = 0u, after;
@@ -1771,7 +1828,7 @@ __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
     if (tid == 0) {  // the tail (thread 0 stored it)
       for (int i = 4 * nfull; i < m; ++i) {
         const uint32_t key = f32_key(K[kslot(i)]);
-        if (key >= tau) {
+        if (key >= tau && valid.col(i)) {
           const uint32_t o = atomicAdd(&sm.ctl[4], 1u);
           mx = key > mx ? key : mx;
           if (o < (uint32_t)SS_CAP) {
@@ -1787,6 +1844,10 @@ __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
     TSI_MARK(13);
     const uint32_t cnt = sm.ctl[4];
     if (cnt >= (uint32_t)kk && cnt <= (uint32_t)SS_CAP) {
+      if constexpr (SP) {  // the byte table is dead: the bitmaps take its place
+        for (int w = tid; w < W; w += THREADS) Gb[w] = Qb[w] = 0u;
+        __syncthreads();
+      }
       const Marks mk{candI, Gb, Qb};
       const Thresh t = buffer_resolve(sm, candK, (int)cnt, tau, sm.ctl[6], (uint32_t)kk, &mk);
       // (buffer_resolve and mark_selected end with a barrier: the staged output may overwrite the survivors)
@@ -1801,7 +1862,7 @@ __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
   } else {
     cp_async_wait<0>();
   }
-  smem_convert_in_place(sm, src, K);
+  smem_convert_in_place(sm, src, K, valid);
   smem_rows_select(sm, src, out, kk);
 }
 
@@ -1811,6 +1872,12 @@ template <int U, class Src>
 __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
   if constexpr (Src::KIND == SPARSE) {
     static_assert(REGION_WORDS - SMEM_KEYS >= SMEM_KEYS / 8, "one valid count per block of at least 8 keys");
+    if constexpr (Src::E == 4 && SS_ENABLED) {
+      if (smem_sampled_fits(src.m, kk) && src.ch.h == 0 && src.cbs >= 4) {
+        smem_sampled_rows(sm, src, out, kk);
+        return;
+      }
+    }
     smem_rows<U>(sm, SparseTabSrc<typename Src::Elem>(src, reinterpret_cast<int*>(sm.region + SMEM_KEYS)), out, kk);
   } else {
     if constexpr (Src::E == 4 && SS_ENABLED) {
