@@ -1640,13 +1640,22 @@ struct SampledValid {
     if constexpr (Src::KIND == DENSE) return true;
     else return (i & (src.cbs - 1)) < (int)tvb[i >> src.lcbs];
   }
+  // The keys of chunk c's raw columns v (0 where a column is not an element); returns chunk_mask(c).
+  __device__ __forceinline__ uint32_t chunk_keys(int c, const uint4& v, uint32_t (&key)[4]) const {
+    const uint32_t vm = chunk_mask(c);
+    key[0] = vm & 1u ? f32_key(v.x) : 0u;
+    key[1] = vm & 2u ? f32_key(v.y) : 0u;
+    key[2] = vm & 4u ? f32_key(v.z) : 0u;
+    key[3] = vm & 8u ? f32_key(v.w) : 0u;
+    return vm;
+  }
 };
 
 // K = the row's raw fp32 bits -> keys in place (0 past m and for columns that are not elements), hist = their top
 // digit, ctl[4] = 0: what keys_to_smem leaves, for smem_rows_select. All copies have landed (a barrier after every
 // thread's last wait).
 template <class Src>
-__device__ void smem_convert_in_place(Smem& sm, const Src& src, uint32_t* K, const SampledValid<Src>& ok) {
+__device__ void smem_convert_in_place(Smem& sm, const Src& src, uint32_t* K, const SampledValid<Src>& valid) {
   const int m = src.m, nfull = m >> 2;
   __syncthreads();
   clear_hist(sm);
@@ -1654,19 +1663,14 @@ __device__ void smem_convert_in_place(Smem& sm, const Src& src, uint32_t* K, con
   __syncthreads();
   for (int c = threadIdx.x; c < nfull; c += THREADS) {
     uint4* q = reinterpret_cast<uint4*>(K + 4 * kgroup(c));
-    uint4 v = *q;
-    const uint32_t vm = ok.chunk_mask(c);
-    v.x = vm & 1u ? f32_key(v.x) : 0u;
-    v.y = vm & 2u ? f32_key(v.y) : 0u;
-    v.z = vm & 4u ? f32_key(v.z) : 0u;
-    v.w = vm & 8u ? f32_key(v.w) : 0u;
-    *q = v;
-    const uint32_t key[4] = {v.x, v.y, v.z, v.w};
+    uint32_t key[4];
+    valid.chunk_keys(c, *q, key);
+    *q = make_uint4(key[0], key[1], key[2], key[3]);
     hist_keys<4>(sm, key, 0, 0u);
   }
   for (int i = 4 * nfull + threadIdx.x; i < round32(m); i += THREADS) {
     // the tail (raw, stored by thread 0), then padding
-    const uint32_t key = i < m && ok.col(i) ? f32_key(K[kslot(i)]) : 0u;
+    const uint32_t key = i < m && valid.col(i) ? f32_key(K[kslot(i)]) : 0u;
     K[kslot(i)] = key;
     if (key != 0u) atomicAdd(&sm.hist[key >> 21], 1u);
   }
@@ -1690,6 +1694,12 @@ __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
   const int m = src.m, nfull = m >> 2, tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int W = (m + 31) >> 5;
   auto chunk = [&](int u) { return warp * (32 * NU) + u * 32 + lane; };
+  // The keys of the thread's j-th sample chunk (all 0 past the row); returns which are elements.
+  auto sample_keys = [&](int j, uint32_t (&key)[4]) -> uint32_t {
+    const int c = chunk(j);
+    key[0] = key[1] = key[2] = key[3] = 0u;
+    return c < nfull ? valid.chunk_keys(c, *reinterpret_cast<const uint4*>(K + 4 * kgroup(c)), key) : 0u;
+  };
   TSI_MARK(10);
   int nb = 0;  // a sparse row's candidate blocks: their ids go first (their own commit group), into candK
   if constexpr (SP) {
@@ -1722,17 +1732,8 @@ __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
   uint32_t own = 0u;
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
-    const int c = chunk(j);
-    uint32_t key[4] = {0u, 0u, 0u, 0u};
-    if (c < nfull) {
-      const uint4 v = *reinterpret_cast<const uint4*>(K + 4 * kgroup(c));
-      const uint32_t vm = valid.chunk_mask(c);
-      key[0] = vm & 1u ? f32_key(v.x) : 0u;
-      key[1] = vm & 2u ? f32_key(v.y) : 0u;
-      key[2] = vm & 4u ? f32_key(v.z) : 0u;
-      key[3] = vm & 8u ? f32_key(v.w) : 0u;
-      own += (uint32_t)__popc(vm);
-    }
+    uint32_t key[4];
+    own += (uint32_t)__popc(sample_keys(j, key));
     hist_keys<4>(sm, key, 0, 0u);
   }
   own = __reduce_add_sync(FULL, own);
@@ -1759,16 +1760,8 @@ __device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
     const uint32_t B1 = sm.ctl[0], need = (uint32_t)jr - sm.ctl[1];
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
-      const int c = chunk(j);
-      uint32_t key[4] = {0u, 0u, 0u, 0u};
-      if (c < nfull) {
-        const uint4 v = *reinterpret_cast<const uint4*>(K + 4 * kgroup(c));
-        const uint32_t vm = valid.chunk_mask(c);
-        key[0] = vm & 1u ? f32_key(v.x) : 0u;
-        key[1] = vm & 2u ? f32_key(v.y) : 0u;
-        key[2] = vm & 4u ? f32_key(v.z) : 0u;
-        key[3] = vm & 8u ? f32_key(v.w) : 0u;
-      }
+      uint32_t key[4];
+      sample_keys(j, key);
       hist_keys<4>(sm, key, 11, B1);
     }
     __syncthreads();
