@@ -5,7 +5,7 @@
 #   VARIANTS="prefetch_0 prefetch_128"  only these builds (default: every variant_*.so)
 #   TARGETS=all                         every top-k target shape (default: decode, the 128 x 128K rows only)
 #   FLUSHES="write"                     the flushes to run (default: "write read")
-#   TESTS="-k random"                   also run tests/test_topk_cuda.py with these pytest arguments on each variant
+#   TESTS_K="random or sparse"          also run tests/test_topk_cuda.py -k "$TESTS_K" on each variant first
 source "$(dirname "$0")/device_common.sh"
 mkdir -p "$OUT/logs"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee "$OUT/logs/env.txt"
@@ -32,10 +32,9 @@ one default ""
 for v in "${variants[@]}"; do
   [ -f "$v" ] || { echo "missing $v"; continue; }
   n=$(basename "$v" .so)
-  if [ -n "${TESTS:-}" ] && fits 150 "$n tests"; then
-    # shellcheck disable=SC2086
+  if [ -n "${TESTS_K:-}" ] && fits 150 "$n tests"; then
     TORCH_SPARSE_INDEXER_TOPK_LIB=$PWD/$v timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_topk_cuda.py \
-      $TESTS > "$OUT/logs/${n}_tests.log" 2>&1
+      -k "$TESTS_K" > "$OUT/logs/${n}_tests.log" 2>&1
     echo "== $n tests: $(tail -n 1 "$OUT/logs/${n}_tests.log")"
   fi
   one "$n" "$PWD/$v"
