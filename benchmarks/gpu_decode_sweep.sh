@@ -19,7 +19,8 @@ one() {  # name library
     TORCH_SPARSE_INDEXER_TOPK_LIB=$2 TSI_BENCH_FLUSH=$fl TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_TOPK_DECODE=$decode \
       TSI_BENCH_FLASHINFER=0 timeout $secs python3 benchmarks/bench.py --suite topk --out "$OUT/$1_$fl" \
       > "$OUT/logs/$1_$fl.log" 2>&1
-    echo "== $1, $fl flush"; grep "^\[topk\] \(sparse_\|block_\)\?topk" "$OUT/logs/$1_$fl.log" | grep -v "cluster\|two-pass"
+    echo "== $1, $fl flush"
+    grep "^\[topk\] \(sparse_\|block_\)\?topk" "$OUT/logs/$1_$fl.log" | grep -v "cluster\|two-pass"
   done
 }
 variants=()

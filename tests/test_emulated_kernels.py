@@ -82,8 +82,8 @@ def test_topk_one_cta_kernel_under_emulator(topk_emu_lib):
 
 # The sampled shared-memory rows (csrc: TSI_SMEM_SAMPLED, off in the default build; benchmarks/variants/smem_sampled):
 # built and checked here so that the experiment stays correct until it is measured. The random rows take the new
-# path (survivors of the sample's threshold); the value patterns (all equal, ties, NaN, -inf halves) its fallback; the
-# sparse rows both, with -1 blocks and cut last blocks.
+# path (survivors of the sample's threshold); the value patterns (all equal, ties, NaN, -inf halves) take it or its
+# fallback (the row converted in place); the sparse rows both, with -1 blocks and cut last blocks.
 TOPK_SUBSET_SMEM_SAMPLED = ("test_topk_random or (test_topk_patterns and 1023) or test_bitwise_repeatable "
                             "or test_sparse_topk")
 
