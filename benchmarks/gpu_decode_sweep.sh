@@ -6,6 +6,7 @@
 #   TARGETS=all                         every top-k target shape (default: decode, the 128 x 128K rows only)
 #   FLUSHES="write"                     the flushes to run (default: "write read")
 #   TESTS_K="random or sparse"          also run tests/test_topk_cuda.py -k "$TESTS_K" on each variant first
+#                                       (for at most TESTS_SECONDS, default 150)
 source "$(dirname "$0")/device_common.sh"
 mkdir -p "$OUT/logs"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee "$OUT/logs/env.txt"
@@ -33,8 +34,8 @@ one default ""
 for v in "${variants[@]}"; do
   [ -f "$v" ] || { echo "missing $v"; continue; }
   n=$(basename "$v" .so)
-  if [ -n "${TESTS_K:-}" ] && fits 150 "$n tests"; then
-    TORCH_SPARSE_INDEXER_TOPK_LIB=$PWD/$v timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_topk_cuda.py \
+  if [ -n "${TESTS_K:-}" ] && fits "${TESTS_SECONDS:-150}" "$n tests"; then
+    TORCH_SPARSE_INDEXER_TOPK_LIB=$PWD/$v timeout "${TESTS_SECONDS:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_topk_cuda.py \
       -k "$TESTS_K" > "$OUT/logs/${n}_tests.log" 2>&1
     echo "== $n tests: $(tail -n 1 "$OUT/logs/${n}_tests.log")"
   fi
