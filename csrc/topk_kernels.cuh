@@ -1553,14 +1553,16 @@ __device__ void smem_bitmap_select(Smem& sm, const uint32_t* K, int m, uint32_t 
   bitmap_emit<1>(sm, G, Q, W, t.need_eq, emit);
 }
 
-// The selection of a shared-memory row once keys_to_smem has run (K holds every key, hist the top digit's histogram,
-// ctl[4] = 0).
-template <class Src>
-__device__ void smem_rows_select(Smem& sm, const Src& src, int* out, int kk) {
+template <int U, class Src>
+__device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
   uint32_t* K = sm.region;
   uint32_t* stage = sm.region + SMEM_KEYS;  // the selection's element indices (kk <= LIST_CAP <= CAND_CAP)
   const int m = src.m;
   int par = 0;
+  TSI_MARK(10);
+  keys_to_smem<U>(sm, src, K);
+  TSI_MARK(11);
+  if constexpr (TSI_TOPK_STOP == 1) return;
   find_bin<NBINS>(sm, (uint32_t)kk);
   TSI_MARK(12);
   const uint32_t total = sm.ctl[3];
@@ -1588,297 +1590,14 @@ __device__ void smem_rows_select(Smem& sm, const Src& src, int* out, int kk) {
   TSI_MARK(14);
 }
 
-template <int U, class Src>
-__device__ void smem_rows(Smem& sm, const Src& src, int* out, int kk) {
-  TSI_MARK(10);
-  keys_to_smem<U>(sm, src, sm.region);
-  TSI_MARK(11);
-  if constexpr (TSI_TOPK_STOP == 1) return;
-  smem_rows_select(sm, src, out, kk);
-}
-
-// Sampled shared-memory rows (experimental, -DTSI_SMEM_SAMPLED=1; benchmarks/variants/smem_sampled.flags): fp32
-// rows (dense, or sparse with their columns' validity in a byte table), 16-byte aligned, much longer than k. The row is copied raw into K by cp.async in four commit groups as in
-// keys_to_smem_async, but warp w owns the 32 * NU chunks [w * 32 NU, (w + 1) * 32 NU) and its u-th copy is the
-// u-th run of 32 chunks in them, so the first group is a strided quarter of the row (its first 256 columns of every
-// 1024). That quarter is the sample: its keys give tau (sample_tau's two digits) while the other groups land,
-// and each thread then compares its columns with tau as they land (one float compare per column for a positive
-// tau), appending the survivors (key, column) to a buffer. No key is converted in place, no histogram atomic is
-// spent per column and no sweep over the row follows the load: the exact selection runs on the survivors
-// (buffer_resolve, marks, bitmap_emit). Exact whenever k <= survivors <= cap (the argument of sampled_mode); else
-// the row is converted in place after all and takes smem_rows_select: the result never depends on the sample.
-#ifndef TSI_SMEM_SAMPLED
-#define TSI_SMEM_SAMPLED 0
-#endif
-constexpr int SS_CAP = (REGION_WORDS - SMEM_KEYS - 2 * SMEM_WORDS) / 2 & ~3;  // survivors buffered at most
-constexpr int SS_NU = SMEM_KEYS / 4 / THREADS, SS_G = SS_NU >= 4 ? 4 : SS_NU;  // chunks per thread, commit groups
-// (CTAs too wide for two groups of whole chunks per thread, e.g. the emulated wide kernel, never take it.)
-constexpr bool SS_ENABLED = TSI_SMEM_SAMPLED && SS_G >= 2 && SS_NU % SS_G == 0;
-
-// Whether a row takes smem_sampled_rows: tau's expected count T = target_count(k, SS_CAP) leaves margins of T / k
-// and SS_CAP / T (>= 1.3 for k <= 0.6 SS_CAP), and the row is long enough for a sample to say anything.
-__device__ __forceinline__ bool smem_sampled_fits(int m, int kk) {
-  return SS_ENABLED && 5 * kk <= 3 * SS_CAP && m >= 4 * kk && m >= SMEM_KEYS / 4;
-}
-
-// Columns of a sampled shared-memory row that are elements: all of a dense row's; a sparse row's from its byte table
-// tvb (valid columns at the start of each candidate block, SparseSrc::valid_in). chunk_mask(c): bits of the four
-// columns of chunk c (inside one candidate block: cbs >= 4 and chunks aligned); col(i): column i.
-template <class Src>
-struct SampledValid {
-  const Src& src;
-  const uint8_t* tvb;
-  __device__ __forceinline__ uint32_t chunk_mask(int c) const {
-    if constexpr (Src::KIND == DENSE) {
-      return 0xfu;
-    } else {
-      const int col = 4 * c, v = (int)tvb[col >> src.lcbs] - (col & (src.cbs - 1));
-      return v >= 4 ? 0xfu : (v <= 0 ? 0u : (1u << v) - 1u);
-    }
-  }
-  __device__ __forceinline__ bool col(int i) const {
-    if constexpr (Src::KIND == DENSE) return true;
-    else return (i & (src.cbs - 1)) < (int)tvb[i >> src.lcbs];
-  }
-  // The keys of chunk c's raw columns v (0 where a column is not an element); returns chunk_mask(c).
-  __device__ __forceinline__ uint32_t chunk_keys(int c, const uint4& v, uint32_t (&key)[4]) const {
-    const uint32_t vm = chunk_mask(c);
-    key[0] = vm & 1u ? f32_key(v.x) : 0u;
-    key[1] = vm & 2u ? f32_key(v.y) : 0u;
-    key[2] = vm & 4u ? f32_key(v.z) : 0u;
-    key[3] = vm & 8u ? f32_key(v.w) : 0u;
-    return vm;
-  }
-};
-
-// K = the row's raw fp32 bits -> keys in place (0 past m and for columns that are not elements), hist = their top
-// digit, ctl[4] = 0: what keys_to_smem leaves, for smem_rows_select. All copies have landed (a barrier after every
-// thread's last wait).
-template <class Src>
-__device__ void smem_convert_in_place(Smem& sm, const Src& src, uint32_t* K, const SampledValid<Src>& valid) {
-  const int m = src.m, nfull = m >> 2;
-  __syncthreads();
-  clear_hist(sm);
-  if (threadIdx.x == 0) sm.ctl[4] = 0u;
-  __syncthreads();
-  for (int c = threadIdx.x; c < nfull; c += THREADS) {
-    uint4* q = reinterpret_cast<uint4*>(K + 4 * kgroup(c));
-    uint32_t key[4];
-    valid.chunk_keys(c, *q, key);
-    *q = make_uint4(key[0], key[1], key[2], key[3]);
-    hist_keys<4>(sm, key, 0, 0u);
-  }
-  for (int i = 4 * nfull + threadIdx.x; i < round32(m); i += THREADS) {
-    // the tail (raw, stored by thread 0), then padding
-    const uint32_t key = i < m && valid.col(i) ? f32_key(K[kslot(i)]) : 0u;
-    K[kslot(i)] = key;
-    if (key != 0u) atomicAdd(&sm.hist[key >> 21], 1u);
-  }
-  __syncthreads();
-}
-
-template <class Src>
-__device__ void smem_sampled_rows(Smem& sm, const Src& src, int* out, int kk) {
-  static_assert(Src::E == 4 && (Src::KIND == DENSE || Src::KIND == SPARSE), "fp32 rows");
-  constexpr bool SP = Src::KIND == SPARSE;
-  constexpr int NU = SS_NU, G = SS_G, PER = NU / G;
-  static_assert(SS_ENABLED && sizeof(Src) > 0, "commit groups of whole chunks per thread: the first is the sample");
-  uint32_t* K = sm.region;
-  uint32_t* candK = sm.region + SMEM_KEYS;  // the survivors' keys (the staged output later)
-  uint32_t* candI = candK + SS_CAP;
-  uint32_t* Gb = candI + SS_CAP;  // bitmaps of the selection (a sparse row's byte table until the survivors are in)
-  uint32_t* Qb = Gb + SMEM_WORDS;
-  static_assert(SMEM_KEYS / 8 <= 4 * 2 * SMEM_WORDS && SMEM_KEYS / 8 <= 2 * SS_CAP, "a sparse row's ids and table");
-  const SampledValid<Src> valid{src, reinterpret_cast<const uint8_t*>(Gb)};
-  static_assert(2 * SS_CAP >= LIST_CAP, "the staged output (k <= LIST_CAP) fits where the survivors were");
-  const int m = src.m, nfull = m >> 2, tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int W = (m + 31) >> 5;
-  auto chunk = [&](int u) { return warp * (32 * NU) + u * 32 + lane; };
-  // The keys of the thread's j-th sample chunk (all 0 past the row); returns which are elements.
-  auto sample_keys = [&](int j, uint32_t (&key)[4]) -> uint32_t {
-    const int c = chunk(j);
-    key[0] = key[1] = key[2] = key[3] = 0u;
-    return c < nfull ? valid.chunk_keys(c, *reinterpret_cast<const uint4*>(K + 4 * kgroup(c)), key) : 0u;
-  };
-  TSI_MARK(10);
-  int nb = 0;  // a sparse row's candidate blocks: their ids go first (their own commit group), into candK
-  if constexpr (SP) {
-    nb = (m + src.cbs - 1) >> src.lcbs;
-    for (int b = tid; b < nb; b += THREADS) cp_async<4>(candK + b, src.blk + b);
-    cp_async_commit();
-  }
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int c = chunk(g * PER + j);
-      if (c < nfull) cp_async<16>(K + 4 * kgroup(c), src.ch.abase + (long long)c * 16);
-    }
-    cp_async_commit();
-  }
-  clear_hist(sm);
-  if (tid == 0) {
-    sm.ctl[4] = 0u;
-    for (int i = 4 * nfull; i < m; ++i) K[kslot(i)] = DT<float>::load1(src.ch.row, i);  // the tail, raw
-  }
-  if constexpr (SP) {  // this thread's ids have landed: the valid columns of their blocks, as bytes
-    cp_async_wait<G>();
-    uint8_t* tvb = reinterpret_cast<uint8_t*>(Gb);
-    for (int b = tid; b < nb; b += THREADS) tvb[b] = (uint8_t)src.valid_in((int)candK[b]);
-  }
-  __syncthreads();
-  // The sample: the first group's keys, their top digit's histogram and their count (sv).
-  cp_async_wait<G - 1>();
-  uint32_t own = 0u;
-#pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    uint32_t key[4];
-    own += (uint32_t)__popc(sample_keys(j, key));
-    hist_keys<4>(sm, key, 0, 0u);
-  }
-  own = __reduce_add_sync(FULL, own);
-  if (lane == 0 && own != 0u) atomicAdd(&sm.ctl[4], own);
-  __syncthreads();
-  TSI_MARK(11);
-  const int sv = (int)sm.ctl[4];  // the sample's elements
-  int S = 0;  // the sample's columns (a sparse row's invalid ones included: the row's m counts them too)
-  for (int w = 0; w < NWARPS; ++w) {
-#pragma unroll
-    for (int u = 0; u < PER; ++u) {
-      const int r = nfull - (w * 32 * NU + u * 32);
-      S += r <= 0 ? 0 : (r >= 32 ? 32 : r);
-    }
-  }
-  int jr = (target_count(kk, SS_CAP) * 4 * S + m - 1) / m;  // the sample rank whose expected row count is T
-  jr = jr < 1 ? 1 : jr;
-  const bool ok = sv > 0 && jr <= sv;
-  uint32_t tau = 0u;
-  if (ok) {
-    // tau = the lower edge of the 22-bit bin of the jr-th best sample key (sample_tau's two levels; the second
-    // digit's histogram from the thread's own sample columns, still in K, instead of a buffer of the sample).
-    find_bin<NBINS>(sm, (uint32_t)jr);
-    const uint32_t B1 = sm.ctl[0], need = (uint32_t)jr - sm.ctl[1];
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      uint32_t key[4];
-      sample_keys(j, key);
-      hist_keys<4>(sm, key, 11, B1);
-    }
-    __syncthreads();
-    find_bin<NBINS>(sm, need);  // leaves hist zero; ends with a barrier
-    tau = (B1 << 21) | (sm.ctl[0] << 10);
-    tau = tau == 0u ? 1u : tau;  // key 0 is "no element"
-  }
-  TSI_MARK(12);
-  if (ok) {
-    if (tid == 0) sm.ctl[4] = sm.ctl[6] = 0u;
-    if constexpr (!SP)
-      for (int w = tid; w < W; w += THREADS) Gb[w] = Qb[w] = 0u;
-    __syncthreads();
-    const bool fast = tau > 0x80000000u;  // a positive threshold: key >= tau <=> score >= tf
-    const float tf = __uint_as_float(tau & 0x7fffffffu);
-    uint32_t mx = 0u;
-    auto survivors = [&](int u0, auto wait) {
-      wait();
-      uint32_t mask[PER], raw[PER][4];
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int c = chunk(u0 + j);
-        mask[j] = 0u;
-        if (c < nfull) {
-          const uint4 v = *reinterpret_cast<const uint4*>(K + 4 * kgroup(c));
-          raw[j][0] = v.x; raw[j][1] = v.y; raw[j][2] = v.z; raw[j][3] = v.w;
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            mask[j] |= (uint32_t)(fast ? __uint_as_float(raw[j][e]) >= tf : f32_key(raw[j][e]) >= tau) << e;
-          if (SP && mask[j] != 0u) mask[j] &= valid.chunk_mask(c);
-        }
-      }
-      uint32_t n = 0u, after;
-#pragma unroll
-      for (int j = 0; j < PER; ++j) n += (uint32_t)__popc(mask[j]);
-      uint32_t o = warp_reserve(&sm.ctl[4], n, &after);
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if ((mask[j] >> e) & 1u) {
-            const uint32_t key = f32_key(raw[j][e]);
-            mx = key > mx ? key : mx;
-            if (o < (uint32_t)SS_CAP) {
-              candK[o] = key;
-              candI[o] = (uint32_t)(4 * chunk(u0 + j) + e);
-            }
-            ++o;
-          }
-        }
-      }
-    };
-    survivors(0, [] {});
-    if constexpr (G > 1) survivors(PER, [] { cp_async_wait<(G > 2 ? G - 2 : 0)>(); });
-    if constexpr (G > 2) survivors(2 * PER, [] { cp_async_wait<(G > 3 ? G - 3 : 0)>(); });
-    if constexpr (G > 3) survivors(3 * PER, [] { cp_async_wait<0>(); });
-    if (tid == 0) {  // the tail (thread 0 stored it)
-      for (int i = 4 * nfull; i < m; ++i) {
-        const uint32_t key = f32_key(K[kslot(i)]);
-        if (key >= tau && valid.col(i)) {
-          const uint32_t o = atomicAdd(&sm.ctl[4], 1u);
-          mx = key > mx ? key : mx;
-          if (o < (uint32_t)SS_CAP) {
-            candK[o] = key;
-            candI[o] = (uint32_t)i;
-          }
-        }
-      }
-    }
-    mx = __reduce_max_sync(FULL, mx);
-    if (lane == 0 && mx != 0u) atomicMax(&sm.ctl[6], mx);
-    __syncthreads();
-    TSI_MARK(13);
-    const uint32_t cnt = sm.ctl[4];
-    if (cnt >= (uint32_t)kk && cnt <= (uint32_t)SS_CAP) {
-      if constexpr (SP) {  // the byte table is dead: the bitmaps take its place
-        for (int w = tid; w < W; w += THREADS) Gb[w] = Qb[w] = 0u;
-        __syncthreads();
-      }
-      const Marks mk{candI, Gb, Qb};
-      const Thresh t = buffer_resolve(sm, candK, (int)cnt, tau, sm.ctl[6], (uint32_t)kk, &mk);
-      // (buffer_resolve and mark_selected end with a barrier: the staged output may overwrite the survivors)
-      if (!t.marked) mark_selected(Gb, Qb, candK, candI, (int)cnt, t);
-      TSI_MARK(15);
-      uint32_t* stage = candK;
-      bitmap_emit<1>(sm, Gb, Qb, W, t.need_eq, [&](uint32_t rank, int i) { stage[rank] = (uint32_t)i; });
-      write_staged(sm, src, stage, kk, out, kk);
-      TSI_MARK(14);
-      return;
-    }
-  } else {
-    cp_async_wait<0>();
-  }
-  smem_convert_in_place(sm, src, K, valid);
-  smem_rows_select(sm, src, out, kk);
-}
-
 // Shared-memory rows. Sparse rows put their candidates' valid prefixes in shared memory (keys_to_smem fills the
 // table), in the staging area past the keys (free until the selection, which comes after the load that reads them).
 template <int U, class Src>
 __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
   if constexpr (Src::KIND == SPARSE) {
     static_assert(REGION_WORDS - SMEM_KEYS >= SMEM_KEYS / 8, "one valid count per block of at least 8 keys");
-    if constexpr (Src::E == 4 && SS_ENABLED) {
-      if (smem_sampled_fits(src.m, kk) && src.ch.h == 0 && src.cbs >= 4) {
-        smem_sampled_rows(sm, src, out, kk);
-        return;
-      }
-    }
     smem_rows<U>(sm, SparseTabSrc<typename Src::Elem>(src, reinterpret_cast<int*>(sm.region + SMEM_KEYS)), out, kk);
   } else {
-    if constexpr (Src::E == 4 && SS_ENABLED) {
-      if (smem_sampled_fits(src.m, kk) && src.ch.h == 0) {
-        smem_sampled_rows(sm, src, out, kk);
-        return;
-      }
-    }
     smem_rows<U>(sm, src, out, kk);
   }
 }

@@ -80,24 +80,6 @@ def test_topk_one_cta_kernel_under_emulator(topk_emu_lib):
             timeout=3600)
 
 
-# The sampled shared-memory rows (csrc: TSI_SMEM_SAMPLED, off in the default build; benchmarks/variants/smem_sampled):
-# built and checked here so that the experiment stays correct until it is measured. The random rows take the new
-# path (survivors of the sample's threshold); the value patterns (all equal, ties, NaN, -inf halves) take it or its
-# fallback (the row converted in place); the sparse rows both, with -1 blocks and cut last blocks.
-TOPK_SUBSET_SMEM_SAMPLED = ("test_topk_random or (test_topk_patterns and 1023) or test_bitwise_repeatable "
-                            "or test_sparse_topk")
-
-
-def test_topk_smem_sampled_variant_under_emulator(tmp_path):
-    if shutil.which("g++") is None:
-        pytest.skip("needs g++ for the emulation build")
-    lib = str(tmp_path / "topk_emu_smem_sampled.so")
-    b = subprocess.run(["bash", os.path.join(ROOT, "csrc", "emu", "build_emu.sh"), lib, "-DTSI_SMEM_SAMPLED=1"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert b.returncode == 0, b.stderr[-4000:]
-    _pytest(["tests/test_topk_cuda.py", "-k", TOPK_SUBSET_SMEM_SAMPLED], {"TSI_TOPK_EMU": lib}, timeout=3600)
-
-
 def test_cuda_scoring_kernels_under_emulator(tmp_path):
     if shutil.which("g++") is None:
         pytest.skip("needs g++ for the emulation build")
