@@ -56,7 +56,7 @@ def _fake_paged_args(device):
         lens = torch.empty(T, dtype=torch.int32, device=device)
         bt = torch.empty(T, nblk, dtype=torch.int32, device=device)
         logits = torch.empty(T, nblk * bs, device=device)
-    # q_scale (None) first: the guard takes the first *tensor* argument.
+    # q_scale and req_indices None: the guard skips arguments that are not tensors.
     return q, None, cache, w, lens, bt, None, logits
 
 

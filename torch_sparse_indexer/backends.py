@@ -97,6 +97,11 @@ def forced() -> Optional[str]:
     return getattr(_state, "forced", None) or _global_forced
 
 
+def disabled() -> set[str]:
+    """The backends ``disable_backend`` (or ``TORCH_SPARSE_INDEXER_DISABLE``) took out of automatic dispatch."""
+    return set(_disabled)
+
+
 def candidates(op: str) -> list[Backend]:
     return list(_REGISTRY.get(op, []))
 

@@ -47,7 +47,8 @@ def _library_family(module: str, ops: tuple[str, ...]) -> dict:
     """A prebuilt CUDA library's state: its path, and registered / loaded / why not."""
     mod = importlib.import_module(f"torch_sparse_indexer.kernels.{module}")
     lib = mod._LIB
-    info = {"path": lib.path(), "built": os.path.exists(lib.path())}
+    path = lib.path()
+    info = {"path": path, "built": os.path.exists(path)}
     if _registered(ops, "cuda"):
         info["status"] = "registered" + (" (the CPU emulation build)" if getattr(mod, "emulated", lambda: False)()
                                          else "")
@@ -81,7 +82,8 @@ def collect() -> dict:
         fams["deepgemm"] = {"status": "registered" + (f", but cannot run: {why}" if why else "")}
     else:
         fams["deepgemm"] = {"status": "not registered: " + (
-            "deep_gemm is not installed" if importlib.util.find_spec("deep_gemm") is None else "no CUDA device")}
+            "deep_gemm is not installed" if importlib.util.find_spec("deep_gemm") is None else
+            "no CUDA device" if not cuda else "its registration failed (see the log's warning)")}
     return {
         "versions": {"torch_sparse_indexer": __version__, "python": platform.python_version(),
                      "torch": torch.__version__, "torch CUDA": torch.version.cuda, "triton": _version("triton"),
@@ -89,7 +91,7 @@ def collect() -> dict:
         "devices": _devices(),
         "families": fams,
         "forced": backends.forced(),
-        "disabled": sorted(backends._disabled),
+        "disabled": sorted(backends.disabled()),
         "ops": {op: [b.name for b in backends.candidates(op)] for op in SCHEMAS},
     }
 
