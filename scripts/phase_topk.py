@@ -9,9 +9,11 @@ threshold bin's keys from L2), in time order, then from %globaltimer:
 the kernel's span (first CTA start to last CTA end), the spread of CTA starts, and CTA durations
 (median, max). L2 is flushed before each launch. Every shape runs with the wide CTAs off; decode shapes (fewer rows
 than 2 x SMs) once more on them (``cuda_topk.set_wide_mode("always")``), labelled ``wide``; 16K and sparse shapes
-once more on the three-CTA kernel (``cuda_topk.set_tri_mode("always")``), labelled ``tri``. Usage: python
+once more on the three-CTA kernel (``cuda_topk.set_tri_mode("always")``), labelled ``tri``; PHASE_SMEM_ONLY=1:
+only 4096 x 16K and the sparse shape, default kernels. Usage: python
 scripts/phase_topk.py  (on the GPU machine)."""
 import ctypes
+import os
 import statistics
 
 import torch
@@ -20,6 +22,9 @@ from torch_sparse_indexer.kernels import cuda_topk as ct
 
 SHAPES = [(1, 131072), (64, 131072), (128, 131072), (4096, 131072), (4096, 16384),
           ("sparse", 4096, 2048, 8)]  # sparse_topk as in the benchmark: 2048 ascending blocks of 8 per row
+SMEM_ONLY = os.environ.get("PHASE_SMEM_ONLY") == "1"  # only the shared-memory rows (16K, sparse), default kernels
+if SMEM_ONLY:
+    SHAPES = [(4096, 16384), ("sparse", 4096, 2048, 8)]
 MHZ = 1980  # SM clock of the H200 under these loads (nvidia-smi in the same run's env.txt)
 ct.set_cluster_mode("off")
 lib = ct._LIB.lib
@@ -28,7 +33,7 @@ lib.tsi_topk_phase_spans.argtypes = [ctypes.c_void_p, ctypes.c_int]
 g = torch.Generator().manual_seed(0)
 scrub = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
-RUNS = ([(s, "off", "off") for s in SHAPES]
+RUNS = [(s, "off", "off") for s in SHAPES] if SMEM_ONLY else ([(s, "off", "off") for s in SHAPES]
         + [(s, "always", "off") for s in SHAPES if s[0] != "sparse" and s[0] < 2 * SMS]
         + [(s, "off", "always") for s in SHAPES if s[0] == "sparse" or s[1] <= ct.tuning()["smem_keys"]])
 for shape, wide, tri in RUNS:
