@@ -4,20 +4,20 @@
 # the default first and last. Carry [".carry", ".whl"]:  BUDGET=300 bash benchmarks/gpu_decode_sweep.sh
 #   VARIANTS="prefetch_0 prefetch_128"  only these builds (default: every variant_*.so)
 #   TARGETS=all                         every top-k target shape (default: decode, the 128 x 128K rows only)
+#   TARGETS=smem                        the shared-memory rows' targets only (4096 x 16K, sparse_topk)
 #   FLUSHES="write"                     the flushes to run (default: "write read")
 #   TESTS_K="random or sparse"          also run tests/test_topk_cuda.py -k "$TESTS_K" on each variant first
 #                                       (for at most TESTS_SECONDS, default 150)
 source "$(dirname "$0")/device_common.sh"
 mkdir -p "$OUT/logs"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee "$OUT/logs/env.txt"
-decode=1
-[ "${TARGETS:-decode}" = all ] && decode=""
-secs=40
-[ -z "$decode" ] && secs=90
+decode=1 smem=0 secs=40
+[ "${TARGETS:-decode}" = all ] && decode="" secs=90
+[ "${TARGETS:-decode}" = smem ] && decode="" smem=1 secs=60
 one() {  # name library
   for fl in ${FLUSHES:-write read}; do
     fits $secs "$1 $fl" || return 0
-    TORCH_SPARSE_INDEXER_TOPK_LIB=$2 TSI_BENCH_FLUSH=$fl TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_TOPK_DECODE=$decode \
+    TORCH_SPARSE_INDEXER_TOPK_LIB=$2 TSI_BENCH_FLUSH=$fl TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_TOPK_DECODE=$decode TSI_BENCH_TOPK_SMEM=$smem \
       TSI_BENCH_FLASHINFER=0 timeout $secs python3 benchmarks/bench.py --suite topk --out "$OUT/$1_$fl" \
       > "$OUT/logs/$1_$fl.log" 2>&1
     echo "== $1, $fl flush"

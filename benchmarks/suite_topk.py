@@ -46,6 +46,8 @@ DEV = "cuda"
 CHECK_ROWS = 8
 TARGETS_ONLY = os.environ.get("TSI_BENCH_TOPK_TARGETS", "0") == "1"
 DECODE_ONLY = TARGETS_ONLY and os.environ.get("TSI_BENCH_TOPK_DECODE", "0") == "1"
+# Only the shared-memory rows' targets (4096 x 16K and sparse_topk), for comparing builds of that path.
+SMEM_ONLY = TARGETS_ONLY and os.environ.get("TSI_BENCH_TOPK_SMEM", "0") == "1"
 
 
 def _lengths(R, W, gen):
@@ -271,7 +273,7 @@ def run(args) -> list[dict]:
     K128 = 16384 if q else 131072
     rows: list[dict] = []
     print(f"[topk] three-CTA kernel: {ct.tri_blocks_per_sm()} CTAs per SM", flush=True)
-    for k in ((2048,) if TARGETS_ONLY else (512, 1024, 2048)):
+    for k in (() if SMEM_ONLY else (2048,) if TARGETS_ONLY else (512, 1024, 2048)):
         rows += _topk_case(128, K128, k, torch.float32, gen)
     if not q and not TARGETS_ONLY:
         for R in (1, 8, 32, 64):  # small decode batches: the cluster kernel's range
@@ -283,10 +285,11 @@ def run(args) -> list[dict]:
         for pattern in ("all_equal", "neg_inf_half"):
             rows += _topk_case(R, 16384, 2048, torch.float32, gen, pattern)
         rows += _sparse_case(R, 2048, 8, 2048, gen)
-        rows += _topk_case(R, K128, 2048, torch.float32, gen)
-        if not TARGETS_ONLY:
-            rows += _topk_case(R, K128, 2048, torch.bfloat16, gen)
-        rows += _block_case(R, K128, 8, 2048, gen)
+        if not SMEM_ONLY:
+            rows += _topk_case(R, K128, 2048, torch.float32, gen)
+            if not TARGETS_ONLY:
+                rows += _topk_case(R, K128, 2048, torch.bfloat16, gen)
+            rows += _block_case(R, K128, 8, 2048, gen)
     for r in rows:
         if r["impl"].startswith("cuda"):
             alt = "" if r["impl"] == "cuda" else f" [{r['impl'][5:]}]"

@@ -225,6 +225,13 @@ inline T __shfl_up_sync(unsigned, T v, unsigned d) {
   return lane >= d ? all[lane - d] : v;
 }
 template <class T>
+inline T __shfl_down_sync(unsigned, T v, unsigned d) {
+  T all[32];
+  tsi_emu::warp_gather(v, all);
+  const unsigned lane = threadIdx.x & 31;
+  return lane + d < 32 ? all[lane + d] : v;
+}
+template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int o) {
   T all[32];
   tsi_emu::warp_gather(v, all);
