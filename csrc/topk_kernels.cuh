@@ -1302,8 +1302,10 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   clear_hist(sm);
   if (tid == 0) sm.ctl[4] = 0u;
   for (int i = 4 * nfull + tid; i < round32(m); i += THREADS) K[kslot(i)] = 0u;  // past the copies: tail + padding
+  int any_short = 0;  // some candidate block of the row is not wholly valid (a -1 id, the block its length cuts)
   if constexpr (Src::KIND == SPARSE) {  // this thread's block ids have landed: their valid prefixes, in place
     cp_async_wait<G>();
+    bool short_blk = false;
     for (int q = tid; q < nq; q += THREADS) {
       uint4* t = reinterpret_cast<uint4*>(src.tv + 4 * q);
       uint4 v = *t;
@@ -1312,10 +1314,17 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
       v.z = (uint32_t)src.valid_in((int)v.z);
       v.w = (uint32_t)src.valid_in((int)v.w);
       *t = v;
+      short_blk |= (int)(v.x & v.y & v.z & v.w) < src.cbs;  // valid prefixes are <= cbs, a power of two
     }
-    for (int b = 4 * nq + tid; b < src.nb; b += THREADS) src.tv[b] = src.valid_in(src.tv[b]);
+    for (int b = 4 * nq + tid; b < src.nb; b += THREADS) {
+      src.tv[b] = src.valid_in(src.tv[b]);
+      short_blk |= src.tv[b] < src.cbs;
+    }
+    // the histogram is clear and the valid prefixes are stored before the counts
+    any_short = __syncthreads_or((int)short_blk);
+  } else {
+    __syncthreads();  // the histogram is clear before the counts
   }
-  __syncthreads();  // the histogram is clear and a sparse row's valid prefixes are stored before the counts
   if (tid == 0 && 4 * nfull < m) {  // the partial last chunk
     if constexpr (Src::KIND == DENSE) {
       for (int i = 4 * nfull; i < m; ++i) {
@@ -1365,21 +1374,24 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   else convert(true);
   __syncthreads();
   if constexpr (Src::KIND == SPARSE) {
-    // The copied columns of candidate blocks that are not wholly valid (-1 ids, the block the row's length cuts)
-    // become "no element" and leave the histogram: a pass over the row's block table instead of a validity test
-    // per chunk (most rows have no such column, or a few). The partial last chunk (thread 0) is already exact.
-    const int ncopied = 4 * nfull;
-    for (int b = tid; b < src.nb; b += THREADS) {
-      const int v = src.tv[b];
-      if (v < src.cbs) {
-        const int end = (b + 1) << src.lcbs < ncopied ? (b + 1) << src.lcbs : ncopied;
-        for (int i = (b << src.lcbs) + v; i < end; ++i) {
-          atomicAdd(&sm.hist[K[kslot(i)] >> 21], 0xffffffffu);  // (minus one)
-          K[kslot(i)] = 0u;
+    if (any_short) {
+      // The copied columns of candidate blocks that are not wholly valid (-1 ids, the block the row's length cuts)
+      // become "no element" and leave the histogram: a pass over the row's block table instead of a validity test
+      // per chunk (most rows have no such column, or a few; rows with none skip it). The partial last chunk
+      // (thread 0) is already exact.
+      const int ncopied = 4 * nfull;
+      for (int b = tid; b < src.nb; b += THREADS) {
+        const int v = src.tv[b];
+        if (v < src.cbs) {
+          const int end = (b + 1) << src.lcbs < ncopied ? (b + 1) << src.lcbs : ncopied;
+          for (int i = (b << src.lcbs) + v; i < end; ++i) {
+            atomicAdd(&sm.hist[K[kslot(i)] >> 21], 0xffffffffu);  // (minus one)
+            K[kslot(i)] = 0u;
+          }
         }
       }
+      __syncthreads();
     }
-    __syncthreads();
   }
 }
 
