@@ -1518,9 +1518,10 @@ __device__ void write_staged(Smem& sm, const Src& src, uint32_t* stage, int r, i
     int pv[UO];
     uint32_t bad = 0u;
 #pragma unroll
+    for (int u = 0; u < UO; ++u) pv[u] = tid + u * THREADS < r ? src.pos((int)stage[tid + u * THREADS]) : -1;
+#pragma unroll
     for (int u = 0; u < UO; ++u) {
       const int i = tid + u * THREADS;
-      pv[u] = i < r ? src.pos((int)stage[i]) : -1;
       int nx = __shfl_down_sync(FULL, pv[u], 1);
       if (lane == 31 && i + 1 < r) nx = src.pos((int)stage[i + 1]);
       bad |= (uint32_t)(i + 1 < r && pv[u] >= nx);
