@@ -1280,14 +1280,8 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   constexpr int PER = NU / G;
   static_assert(NU % G == 0 && G >= 1 && G <= 4, "commit groups");
   const int m = src.m, nfull = m >> 2, tid = (int)threadIdx.x;
-  // A sparse row's ids by 16-byte copies where its id list is 16-byte aligned (4-byte copies cost an LSU
-  // request per id: 4 per thread of a 2048-block row instead of 1); thread tid owns quads tid, tid + THREADS, ...
-  // and the 4-byte tail.
-  int nq = 0;
   if constexpr (Src::KIND == SPARSE) {
-    nq = (reinterpret_cast<uintptr_t>(src.blk) & 15u) == 0u ? src.nb >> 2 : 0;
-    for (int q = tid; q < nq; q += THREADS) cp_async<16>(src.tv + 4 * q, src.blk + 4 * q);
-    for (int b = 4 * nq + tid; b < src.nb; b += THREADS) cp_async<4>(src.tv + b, src.blk + b);
+    for (int b = tid; b < src.nb; b += THREADS) cp_async<4>(src.tv + b, src.blk + b);
     cp_async_commit();
   }
 #pragma unroll
@@ -1302,29 +1296,11 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   clear_hist(sm);
   if (tid == 0) sm.ctl[4] = 0u;
   for (int i = 4 * nfull + tid; i < round32(m); i += THREADS) K[kslot(i)] = 0u;  // past the copies: tail + padding
-  int any_short = 0;  // some candidate block of the row is not wholly valid (a -1 id, the block its length cuts)
   if constexpr (Src::KIND == SPARSE) {  // this thread's block ids have landed: their valid prefixes, in place
     cp_async_wait<G>();
-    bool short_blk = false;
-    for (int q = tid; q < nq; q += THREADS) {
-      uint4* t = reinterpret_cast<uint4*>(src.tv + 4 * q);
-      uint4 v = *t;
-      v.x = (uint32_t)src.valid_in((int)v.x);
-      v.y = (uint32_t)src.valid_in((int)v.y);
-      v.z = (uint32_t)src.valid_in((int)v.z);
-      v.w = (uint32_t)src.valid_in((int)v.w);
-      *t = v;
-      short_blk |= (int)(v.x & v.y & v.z & v.w) < src.cbs;  // valid prefixes are <= cbs, a power of two
-    }
-    for (int b = 4 * nq + tid; b < src.nb; b += THREADS) {
-      src.tv[b] = src.valid_in(src.tv[b]);
-      short_blk |= src.tv[b] < src.cbs;
-    }
-    // the histogram is clear and the valid prefixes are stored before the counts
-    any_short = __syncthreads_or((int)short_blk);
-  } else {
-    __syncthreads();  // the histogram is clear before the counts
+    for (int b = tid; b < src.nb; b += THREADS) src.tv[b] = src.valid_in(src.tv[b]);
   }
+  __syncthreads();  // the histogram is clear and a sparse row's valid prefixes are stored before the counts
   if (tid == 0 && 4 * nfull < m) {  // the partial last chunk
     if constexpr (Src::KIND == DENSE) {
       for (int i = 4 * nfull; i < m; ++i) {
@@ -1374,24 +1350,21 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   else convert(true);
   __syncthreads();
   if constexpr (Src::KIND == SPARSE) {
-    if (any_short) {
-      // The copied columns of candidate blocks that are not wholly valid (-1 ids, the block the row's length cuts)
-      // become "no element" and leave the histogram: a pass over the row's block table instead of a validity test
-      // per chunk (most rows have no such column, or a few; rows with none skip it). The partial last chunk
-      // (thread 0) is already exact.
-      const int ncopied = 4 * nfull;
-      for (int b = tid; b < src.nb; b += THREADS) {
-        const int v = src.tv[b];
-        if (v < src.cbs) {
-          const int end = (b + 1) << src.lcbs < ncopied ? (b + 1) << src.lcbs : ncopied;
-          for (int i = (b << src.lcbs) + v; i < end; ++i) {
-            atomicAdd(&sm.hist[K[kslot(i)] >> 21], 0xffffffffu);  // (minus one)
-            K[kslot(i)] = 0u;
-          }
+    // The copied columns of candidate blocks that are not wholly valid (-1 ids, the block the row's length cuts)
+    // become "no element" and leave the histogram: a pass over the row's block table instead of a validity test
+    // per chunk (most rows have no such column, or a few). The partial last chunk (thread 0) is already exact.
+    const int ncopied = 4 * nfull;
+    for (int b = tid; b < src.nb; b += THREADS) {
+      const int v = src.tv[b];
+      if (v < src.cbs) {
+        const int end = (b + 1) << src.lcbs < ncopied ? (b + 1) << src.lcbs : ncopied;
+        for (int i = (b << src.lcbs) + v; i < end; ++i) {
+          atomicAdd(&sm.hist[K[kslot(i)] >> 21], 0xffffffffu);  // (minus one)
+          K[kslot(i)] = 0u;
         }
       }
-      __syncthreads();
     }
+    __syncthreads();
   }
 }
 
@@ -1509,34 +1482,9 @@ template <class Src>
 __device__ void write_staged(Smem& sm, const Src& src, uint32_t* stage, int r, int* out, int kk) {
   __syncthreads();
   if constexpr (Src::KIND == SPARSE) {
-    // Each thread's positions stay in registers (their id loads all in flight at once) and are checked against
-    // the next outputs' (the next lane's by a shuffle; lane 31 loads its successor's id itself), so one barrier
-    // tells an ordered candidate list (the usual case: the positions go straight to out) from one that needs
-    // the sort in shared memory.
-    constexpr int UO = (LIST_CAP + THREADS - 1) / THREADS;
-    const int tid = (int)threadIdx.x, lane = tid & 31;
-    int pv[UO];
-    uint32_t bad = 0u;
-#pragma unroll
-    for (int u = 0; u < UO; ++u) pv[u] = tid + u * THREADS < r ? src.pos((int)stage[tid + u * THREADS]) : -1;
-#pragma unroll
-    for (int u = 0; u < UO; ++u) {
-      const int i = tid + u * THREADS;
-      int nx = __shfl_down_sync(FULL, pv[u], 1);
-      if (lane == 31 && i + 1 < r) nx = src.pos((int)stage[i + 1]);
-      bad |= (uint32_t)(i + 1 < r && pv[u] >= nx);
-    }
-    if (__syncthreads_or((int)bad)) {
-#pragma unroll
-      for (int u = 0; u < UO; ++u)
-        if (tid + u * THREADS < r) stage[tid + u * THREADS] = (uint32_t)pv[u];
-      sort_if_unordered(sm, stage, r);
-      for (int i = tid; i < kk; i += THREADS) out[i] = i < r ? (int)stage[i] : -1;
-    } else {
-#pragma unroll
-      for (int u = 0; u < UO; ++u)
-        if (tid + u * THREADS < kk) out[tid + u * THREADS] = pv[u];
-    }
+    for (int i = threadIdx.x; i < r; i += THREADS) stage[i] = (uint32_t)src.pos((int)stage[i]);
+    sort_if_unordered(sm, stage, r);
+    for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < r ? (int)stage[i] : -1;
   } else {
     for (int i = threadIdx.x; i < kk; i += THREADS) out[i] = i < r ? src.pos((int)stage[i]) : -1;
   }
