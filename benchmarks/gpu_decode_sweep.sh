@@ -17,8 +17,8 @@ decode=1 smem=0 secs=40
 one() {  # name library
   for fl in ${FLUSHES:-write read}; do
     fits $secs "$1 $fl" || return 0
-    TORCH_SPARSE_INDEXER_TOPK_LIB=$2 TSI_BENCH_FLUSH=$fl TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_TOPK_DECODE=$decode TSI_BENCH_TOPK_SMEM=$smem \
-      TSI_BENCH_FLASHINFER=0 timeout $secs python3 benchmarks/bench.py --suite topk --out "$OUT/$1_$fl" \
+    TORCH_SPARSE_INDEXER_TOPK_LIB=$2 TSI_BENCH_FLUSH=$fl TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_TOPK_DECODE=$decode \
+      TSI_BENCH_TOPK_SMEM=$smem TSI_BENCH_FLASHINFER=0 timeout $secs python3 benchmarks/bench.py --suite topk --out "$OUT/$1_$fl" \
       > "$OUT/logs/$1_$fl.log" 2>&1
     echo "== $1, $fl flush"
     grep "^\[topk\] \(sparse_\|block_\)\?topk" "$OUT/logs/$1_$fl.log" | grep -v "cluster\|two-pass"
