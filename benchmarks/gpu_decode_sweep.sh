@@ -18,8 +18,8 @@ one() {  # name library
   for fl in ${FLUSHES:-write read}; do
     fits $secs "$1 $fl" || return 0
     TORCH_SPARSE_INDEXER_TOPK_LIB=$2 TSI_BENCH_FLUSH=$fl TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_TOPK_DECODE=$decode \
-      TSI_BENCH_TOPK_SMEM=$smem TSI_BENCH_FLASHINFER=0 timeout $secs python3 benchmarks/bench.py --suite topk --out "$OUT/$1_$fl" \
-      > "$OUT/logs/$1_$fl.log" 2>&1
+      TSI_BENCH_TOPK_SMEM=$smem TSI_BENCH_FLASHINFER=0 timeout $secs python3 benchmarks/bench.py --suite topk \
+      --out "$OUT/$1_$fl" > "$OUT/logs/$1_$fl.log" 2>&1
     echo "== $1, $fl flush"
     grep "^\[topk\] \(sparse_\|block_\)\?topk" "$OUT/logs/$1_$fl.log" | grep -v "cluster\|two-pass"
   done
@@ -35,7 +35,8 @@ for v in "${variants[@]}"; do
   [ -f "$v" ] || { echo "missing $v"; continue; }
   n=$(basename "$v" .so)
   if [ -n "${TESTS_K:-}" ] && fits "${TESTS_SECONDS:-150}" "$n tests"; then
-    TORCH_SPARSE_INDEXER_TOPK_LIB=$PWD/$v timeout "${TESTS_SECONDS:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_topk_cuda.py \
+    TORCH_SPARSE_INDEXER_TOPK_LIB=$PWD/$v timeout "${TESTS_SECONDS:-150}" \
+      python3 -m pytest -q -p no:cacheprovider tests/test_topk_cuda.py \
       -k "$TESTS_K" > "$OUT/logs/${n}_tests.log" 2>&1
     echo "== $n tests: $(tail -n 1 "$OUT/logs/${n}_tests.log")"
   fi
