@@ -10,18 +10,19 @@
 # prefetch_256 phase_default phase_sampled; bash benchmarks/pack_carry.sh. Then carry [".carry", ".whl"]:
 # bash benchmarks/gpu_next.sh
 set -u
+BUDGET=${BUDGET:-540}  # before device_common.sh, whose own default (580) would otherwise apply
 source "$(dirname "$0")/device_common.sh"
-BUDGET=${BUDGET:-540}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
-echo "gpu: $gpu"
+echo "gpu: $gpu, budget $BUDGET s"
 left() { echo $((BUDGET - SECONDS)); }
+cap() { local l; l=$(left); echo $((l < $1 ? l : $1)); }  # a step's budget: at most $1 s, and what is left
 if fits 150 "sparse_out"; then
   OUT=$OUT/sparse_out VARIANTS=sparse_out TARGETS=smem FLUSHES=write TESTS_K=sparse TESTS_SECONDS=60 \
-    BUDGET=$(($(left) < 260 ? $(left) : 260)) bash benchmarks/gpu_decode_sweep.sh
+    BUDGET=$(cap 260) bash benchmarks/gpu_decode_sweep.sh
 fi
 if [[ "$gpu" == *H200* ]] || [ "$(left)" -ge 300 ]; then
   fits 120 "prefetch" && OUT=$OUT/prefetch VARIANTS="prefetch_0 prefetch_128 prefetch_256" \
-    BUDGET=$(($(left) < 240 ? $(left) : 240)) bash benchmarks/gpu_decode_sweep.sh
+    BUDGET=$(cap 240) bash benchmarks/gpu_decode_sweep.sh
 fi
 for v in default sampled; do
   lib=$PWD/torch_sparse_indexer/_C/variant_phase_$v.so
