@@ -37,9 +37,25 @@ int log2_exact(int v) {
   return (1 << l) == v ? l : -1;
 }
 
+int sm_count(int dev);
+
+// The head of each dense row that the sampled pass asks L2 for while it computes its threshold (sampled_mode), in
+// KB: WAVE where the launch's rows all run at once (one CTA per SM at most, so HBM is otherwise idle then), else
+// the smaller value (later rows' passes keep HBM busy, and 264 CTAs' heads must not crowd L2). Measured on an H100
+// (NOTES.md, runs 112-114): 128 x 128K under the read flush 36.7-37.0 us at 64 KB everywhere, 36.5-36.6 at 128,
+// 36.3-36.6 at 256 (0 KB: 37.7); under the write flush all within 0.3 us of each other.
+#ifndef TSI_PREFETCH_KB
+#define TSI_PREFETCH_KB 64
+#endif
+#ifndef TSI_PREFETCH_WAVE_KB
+#define TSI_PREFETCH_WAVE_KB 256
+#endif
+
 // One CTA of `threads` threads per row, `smem` bytes of dynamic shared memory.
 template <auto Kernel, int threads, int smem>
-cudaError_t launch_rows(const Params& p, cudaStream_t stream, int dev) {
+cudaError_t launch_rows(const Params& p_in, cudaStream_t stream, int dev) {
+  Params p = p_in;
+  p.prefetch_bytes = 1024 * (p.rows <= sm_count(dev) ? TSI_PREFETCH_WAVE_KB : TSI_PREFETCH_KB);
 #ifndef TSI_EMULATE
   // Raise the dynamic shared-memory limit once per device (not a stream operation: capture-safe).
   static bool done[64] = {false};

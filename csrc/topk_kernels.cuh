@@ -108,6 +108,7 @@ struct Params {
   int* out;              // [rows, kk]
   int kk;                // k (topk, sparse_topk) or number of output blocks (block_topk)
   int sampled;           // 1: streamed rows try the sampled threshold first (see sampled_mode)
+  int prefetch_bytes;    // head of each dense row sampled_mode asks L2 for (the launch sets it: topk.cu)
 };
 }  // namespace tsi_common
 
@@ -1632,11 +1633,6 @@ struct Sample {
 constexpr int BITMAP_ELEMS = TSI_BITMAP_ELEMS;
 static_assert(BITMAP_ELEMS <= 32 * LIST_CAP, "the two bitmaps hold LIST_CAP words each");
 
-#ifndef TSI_PREFETCH_KB
-#define TSI_PREFETCH_KB 64
-#endif
-constexpr int PREFETCH_BYTES = TSI_PREFETCH_KB * 1024;  // see sampled_mode
-
 // One batch of the sampled pass: buffers the batch's elements with key >= tau (fast: from the raw-bit test)
 // with their keys at the end of the buffer, and keeps the largest buffered key in mx. ANY_ORDER: slots
 // reserved per warp (no barrier; the counter is sm.ctl[4]); else in index order through one block scan (the
@@ -1724,7 +1720,7 @@ __device__ __forceinline__ bool sampled_batch(Smem& sm, const Src& src, const Ra
 }
 
 template <int U, int UB, class Src>
-__device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
+__device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, int prefetch_bytes) {
   static_assert(U * THREADS * Src::E < 65536, "batch counts");
   using S = Sample<Src>;
   const int n = src.items();
@@ -1746,7 +1742,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk) {
   // The head of the row, on its way to L2 while the sample and its threshold take their few microseconds (HBM
   // otherwise idle then, at one row per SM): the pass starts on it. (Prefetching ahead of the pass all along,
   // one or more 64 KB batches ahead, was slower: NOTES.md, run 76.)
-  if constexpr (Src::KIND == DENSE) src.ch.prefetch_l2(PREFETCH_BYTES);
+  if constexpr (Src::KIND == DENSE) src.ch.prefetch_l2(prefetch_bytes);
 #pragma unroll
   for (int s = 0; s < S::TILES; ++s) {
     const int c = (int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x;
@@ -2071,7 +2067,7 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
     smem_mode<U>(sm, src, out, kk);  // sorts a sparse row's staged output itself
     return;
   }
-  if (!(p.sampled && sampled_mode<U, UB>(sm, src, out, kk))) {
+  if (!(p.sampled && sampled_mode<U, UB>(sm, src, out, kk, p.prefetch_bytes))) {
     __syncthreads();
     stream_mode<U>(sm, src, out, kk);
   }
