@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Ran as run 112 in session 26, on an H100: benchmarks/NOTES.md, "Session 26".)
 # The staged list after session 25 (benchmarks/NOTES.md) as one device call, in priority order, so that the first
 # machine that starts does the most valuable step and the later ones run only while BUDGET (default 540 s) lasts:
 #   1. sparse_out: the sparse tests on the variant, then the 16K and sparse_topk rows against the default (any
