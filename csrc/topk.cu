@@ -42,7 +42,7 @@ int sm_count(int dev);
 // The head of each dense row that the sampled pass asks L2 for while it computes its threshold (sampled_mode), in
 // KB: WAVE where the launch's rows all run at once (one CTA per SM at most, so HBM is otherwise idle then), else
 // the smaller value (later rows' passes keep HBM busy, and 264 CTAs' heads must not crowd L2). Measured on an H100
-// (NOTES.md, runs 112-114): 128 x 128K under the read flush 36.7-37.0 us at 64 KB everywhere, 36.5-36.6 at 128,
+// (NOTES.md, runs 112-114): 128 x 128K under the read flush 36.7-37.0 us at 64 KB (the old default), 36.5-36.6 at 128,
 // 36.3-36.6 at 256 (0 KB: 37.7); under the write flush all within 0.3 us of each other.
 #ifndef TSI_PREFETCH_KB
 #define TSI_PREFETCH_KB 64
