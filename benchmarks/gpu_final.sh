@@ -80,7 +80,7 @@ if [[ $PARTS == *,tests,* ]]; then
   run_file 120 tests/test_determinism.py tests/test_bad_input_matrix.py tests/test_bad_input.py tests/test_layers.py \
     tests/test_metadata.py tests/test_formats.py tests/test_compile.py tests/test_opcheck.py
   TSI_FUZZ_PROFILE=gpu TSI_FUZZ_BUDGET_S=${FUZZ_BUDGET_S:-15} TSI_FUZZ_REPORT="$L/fuzz_counts.json" \
-    run_file 240 tests/test_fuzz.py -k cuda  # 106 s on run 111's H100; run 115's (a slower machine) needed more than 150
+    run_file 240 tests/test_fuzz.py -k cuda  # 106 s on run 111's H100; run 115's (slower) needed over 150
   run_file 300 tests/test_distributed.py -k nccl  # one rank per GPU (world size 1 on a one-GPU machine)
   join_dg
   run_file 90 tests/test_deepgemm_gpu.py tests/test_triton_kernels.py -k deepgemm
