@@ -304,17 +304,23 @@ if triton is not None:
 _BLOCK = 1024
 
 
+def _page_args(paged, n):
+    """The copy kernels' page arguments ``(block_table, req, block_size, num_cache_blocks, table width, table row
+    stride, PAGED)`` from ``paged = (block_table, req, block_size, num_cache_blocks)``, or placeholders (``n`` for
+    the unused tensors) when the logits are not paged."""
+    if paged is None:
+        return n, n, 1, 1, 1, 0, False
+    bt, req, bs, nb = paged
+    return bt, req, bs, nb, bt.shape[1], bt.stride(0), True
+
+
 def copy_dense(src, out, n, paged=None):
     """``out[r, c] = src[r, c]`` for ``c < n[r]`` (and on a real page: ``paged = (block_table, req, BS, NB)``),
     else -inf. ``src``: DeepGEMM's padded buffer (only its first ``out.shape[1]`` columns are read)."""
     R, L = out.shape
     if R == 0 or L == 0:
         return
-    if paged is None:
-        bt, req, bs, nb, mb, bts, flag = n, n, 1, 1, 1, 0, False
-    else:
-        bt, req, bs, nb = paged
-        mb, bts, flag = bt.shape[1], bt.stride(0), True
+    bt, req, bs, nb, mb, bts, flag = _page_args(paged, n)
     grid = (R, triton.cdiv(L, _BLOCK))
     _dense_copy_kernel[grid](src, src.stride(0), out, out.stride(0), n, L, bt, bts, req, mb, nb,
                              BS=bs, PAGED=flag, BLOCK=_BLOCK, num_warps=4)
@@ -339,11 +345,7 @@ def copy_sparse(src, out, t, candidate_blocks, cbs, n, paged=None):
     nbk = candidate_blocks.shape[1]
     if R == 0 or W == 0:
         return
-    if paged is None:
-        bt, req, bs, nb, mb, bts, flag = n, n, 1, 1, 1, 0, False
-    else:
-        bt, req, bs, nb = paged
-        mb, bts, flag = bt.shape[1], bt.stride(0), True
+    bt, req, bs, nb, mb, bts, flag = _page_args(paged, n)
     grid = (R, triton.cdiv(W, _BLOCK))
     _sparse_copy_kernel[grid](src, src.stride(0), out, out.stride(0), t.slot_map, candidate_blocks, nbk, n,
                               bt, bts, req, mb, nb, bs, CBS=cbs, SBK=t.sbk, PAGED=flag, BLOCK=_BLOCK, num_warps=4)
