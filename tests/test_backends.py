@@ -34,3 +34,46 @@ def test_cpu_emulation_inside_a_scope_does_not_leak():
         testing.register_cpu_emulation(ops=("write_k_cache",))
         assert backends.select("write_k_cache", *args).name == "triton"
     assert backends.select("write_k_cache", *args).name == "reference"
+
+
+def test_defer_passes_a_supporting_backend_over_only_in_automatic_dispatch():
+    calls = []
+    first = lambda *a: calls.append("deepgemm")  # noqa: E731
+    later = lambda *a: calls.append("triton")  # noqa: E731
+    with backends.registry_scope():
+        backends.register("paged_mqa_logits", "deepgemm", first, priority=99,
+                          defer=lambda x: "slower here" if x == "defer" else None)
+        backends.register("paged_mqa_logits", "triton", later, priority=98)
+        assert backends.select("paged_mqa_logits", "defer").name == "triton"
+        assert backends.select("paged_mqa_logits", "keep").name == "deepgemm"
+        with backends.use_backend("deepgemm"):                # forcing ignores defer
+            assert backends.select("paged_mqa_logits", "defer").name == "deepgemm"
+        backends.register("paged_mqa_logits", "triton", later, priority=98, supports=lambda x: "no")
+        backends.register("paged_mqa_logits", "reference", later, priority=-100, supports=lambda x: "no")
+        with pytest.raises(NotImplementedError, match="deepgemm: slower here; triton: no"):
+            backends.select("paged_mqa_logits", "defer")
+
+
+def test_deepgemm_decode_defers_to_triton_on_sm90_only(monkeypatch):
+    """deepgemm.defer_decode's rule, without a GPU: SM90 and a Triton backend that takes the call (and is not
+    disabled) defer; SM100, a disabled or refusing Triton backend do not. Checked on the H200 end to end in
+    tests/test_deepgemm_gpu.py."""
+    from torch_sparse_indexer.kernels import deepgemm as dgb
+    seen = []
+    args = (torch.zeros(2, 64, 128), None, torch.zeros(4, 64, 132, dtype=torch.uint8), torch.zeros(2, 64))
+    with backends.registry_scope():
+        backends.register("paged_mqa_logits", "triton", lambda *a: None, priority=10,
+                          supports=lambda *a: seen.append(len(a)) or None)
+        monkeypatch.setattr(dgb, "_arch", lambda device: "sm90")
+        assert "faster" in dgb.defer_decode(*args, "more", "args")
+        assert seen == [4]                                    # the four arguments every caller has
+        backends.disable_backend("triton")
+        try:
+            assert dgb.defer_decode(*args) is None
+        finally:
+            backends.disable_backend("triton", False)
+        monkeypatch.setattr(dgb, "_arch", lambda device: "sm100")
+        assert dgb.defer_decode(*args) is None
+        monkeypatch.setattr(dgb, "_arch", lambda device: "sm90")
+        backends.register("paged_mqa_logits", "triton", lambda *a: None, priority=10, supports=lambda *a: "no")
+        assert dgb.defer_decode(*args) is None

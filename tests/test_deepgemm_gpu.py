@@ -101,7 +101,8 @@ def test_decode_scores_match_reference(sm90, with_req, gen):
     qs = testing.make_queries(R, H, D, "fp8", device=DEV, gen=gen)
     out = torch.empty(R, L + 5, device=DEV)[:, :L]
     args = (qs.q, None, case.kv_cache, qs.weights, ctx, bt, req, out)
-    assert backends.select("paged_mqa_logits", *args).name == "deepgemm"
+    # SM90: automatic dispatch leaves dense decode to our faster Triton kernel (deepgemm.defer_decode); forced here.
+    assert backends.select("paged_mqa_logits", *args).name == "triton"
     got, want = _both(_ops.paged_mqa_logits, args, 7)
     d = testing.calc_diff(got, want)
     assert d < 1e-5, d
@@ -145,8 +146,10 @@ def test_indexer_decode_selects_exactly_on_dg_scores(sm90, small_ws, gen):
     idx = torch.empty(R, TOPK, dtype=torch.int32, device=DEV)
     cand = torch.empty(R, NBK, dtype=torch.int32, device=DEV)
     args = (qs.q, None, case.kv_cache, qs.weights, ctx, bt, None, MAXC, TOPK, CBS, ws, idx, cand)
-    assert backends.select("indexer_decode", *args).name == "deepgemm"
-    _ops.indexer_decode(*args)
+    assert backends.select("indexer_decode", *args).name == "reference"  # the composition: see defer_decode
+    with backends.use_backend("deepgemm"):
+        assert backends.select("indexer_decode", *args).name == "deepgemm"
+        _ops.indexer_decode(*args)
     # The scores DeepGEMM produced, through our scoring op (deterministic, bitwise the same values).
     logits = torch.empty(R, MAXC, device=DEV)
     with backends.use_backend("deepgemm"):
@@ -232,19 +235,23 @@ def test_compile_fullgraph_and_cuda_graph_replay(sm90, gen):
     static_out = outputs()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        cstep(*static_in, ws, *static_out)          # compiles, and runs once outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        cstep(*static_in, ws, *static_out)
+    # Forced: automatic dispatch would take our own kernels for the decode step on SM90 (defer_decode). The
+    # backend is chosen when the ops run (here and in capture); replays run what capture recorded.
+    with backends.use_backend("deepgemm"):
+        with torch.cuda.stream(s):
+            cstep(*static_in, ws, *static_out)          # compiles, and runs once outside capture
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            cstep(*static_in, ws, *static_out)
     for _ in range(2):
         new = inputs()
         for a, b in zip(static_in, new):
             a.copy_(b)
         g.replay()
         want = outputs()
-        step(*new, torch.empty_like(ws), *want)     # eager, on the same new data
+        with backends.use_backend("deepgemm"):
+            step(*new, torch.empty_like(ws), *want)     # eager, on the same new data
         torch.cuda.synchronize()
         assert torch.equal(static_out[0], want[0])
         assert torch.equal(static_out[1], want[1])
@@ -291,6 +298,29 @@ def test_choice_is_logged_once(sm90, gen, caplog):
         _ops.mqa_logits(*args)
     hits = [r for r in caplog.records if "mqa_logits: using backend 'deepgemm'" in r.getMessage()]
     assert len(hits) == 1
+
+
+def test_sm90_decode_defers_to_our_kernels_unless_forced_or_triton_disabled(sm90, gen):
+    """Automatic dispatch on SM90 passes DeepGEMM's dense decode entries over for our Triton kernel (faster, run
+    117); forcing DeepGEMM, or disabling the Triton backend, runs DeepGEMM again; prefill stays on DeepGEMM."""
+    case = testing.make_paged_cache([300, 1000], 64, 128, "fp8", device=DEV, gen=gen)
+    qs = testing.make_queries(2, 64, 128, "fp8", device=DEV, gen=gen)
+    ctx = torch.tensor([300, 1000], dtype=torch.int32, device=DEV)
+    args = (qs.q, None, case.kv_cache, qs.weights, ctx, case.block_table, None, torch.empty(2, 1024, device=DEV))
+    assert "faster" in dgb.defer_decode(*args)
+    assert backends.select("paged_mqa_logits", *args).name == "triton"
+    with backends.use_backend("deepgemm"):
+        assert backends.select("paged_mqa_logits", *args).name == "deepgemm"
+    backends.disable_backend("triton")
+    try:
+        assert dgb.defer_decode(*args) is None
+        assert backends.select("paged_mqa_logits", *args).name == "deepgemm"
+    finally:
+        backends.disable_backend("triton", False)
+    k, ksc = testing.make_packed_k(64, 128, "fp8", device=DEV, gen=gen)
+    z = torch.zeros(2, dtype=torch.int32, device=DEV)
+    pre = (qs.q, None, k, ksc, qs.weights, z, z + 64, torch.empty(2, 64, device=DEV))
+    assert backends.select("mqa_logits", *pre).name == "deepgemm"
 
 
 # ----------------------------------------------------------------------------------------------------

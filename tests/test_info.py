@@ -20,6 +20,7 @@ def test_dispatch_order_is_the_registry():
 def test_a_registered_family_and_a_forced_backend_show():
     with backends.registry_scope():
         backends.register("topk", "cuda", lambda *a: None, priority=1000)
+        backends.register("sparse_topk", "cuda", lambda *a: None, priority=1000, defer=lambda *a: "slower")
         with backends.use_backend("reference"):
             got = info.collect()
             text = info.format_info(got)
@@ -27,6 +28,7 @@ def test_a_registered_family_and_a_forced_backend_show():
     assert got["families"]["cuda top-k (csrc/topk.cu)"]["status"].startswith("registered")
     assert got["forced"] == "reference" and "forced backend: reference" in text
     assert "topk" in text and "cuda > reference" in text
+    assert got["defers"]["sparse_topk"] == ["cuda"] and "cuda* > reference" in text
     if not torch.cuda.is_available():
         assert got["families"]["triton"]["status"] == "not registered: no CUDA device" or \
             "not importable" in got["families"]["triton"]["status"]

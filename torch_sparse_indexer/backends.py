@@ -2,9 +2,11 @@
 
 Every op has an ordered list of backends (fastest first). A backend declares, per call, whether it
 supports the inputs (``supports(*args) -> None`` or a reason string, the xformers
-``not_supported_reasons`` idea); dispatch takes the first that does. Only static facts (device,
-capability, dtypes, shapes, static ints) may decide, so a captured graph always replays the backend it
-recorded. The choice is logged once per (op, backend).
+``not_supported_reasons`` idea); dispatch takes the first that does. A backend may also *defer*
+(``defer(*args) -> None`` or a reason): automatic dispatch then passes it over for a later one that is
+faster on that call (DeepGEMM's SM90 decode entries do), while forcing it still runs it. Only static
+facts (device, capability, dtypes, shapes, static ints) may decide, so a captured graph always replays
+the backend it recorded. The choice is logged once per (op, backend).
 
 Force a backend globally with ``set_backend("reference")`` or ``TORCH_SPARSE_INDEXER_BACKEND``, for a
 region with ``with use_backend("triton"): ...``, or disable one with ``disable_backend("deepgemm")``.
@@ -31,6 +33,7 @@ class Backend:
     fn: Callable
     supports: Callable[..., Optional[str]]
     priority: int
+    defer: Optional[Callable[..., Optional[str]]] = None
 
 
 _REGISTRY: dict[str, list[Backend]] = {}
@@ -41,13 +44,15 @@ _logged: set[tuple[str, str]] = set()
 
 
 def register(op: str, name: str, fn: Callable, supports: Callable[..., Optional[str]] | None = None,
-             priority: int = 0) -> None:
-    """Add ``fn`` as backend ``name`` of ``op`` (higher ``priority`` is tried first)."""
+             priority: int = 0, defer: Callable[..., Optional[str]] | None = None) -> None:
+    """Add ``fn`` as backend ``name`` of ``op`` (higher ``priority`` is tried first). ``defer(*args)``, given a
+    call ``supports`` accepts, returns why automatic dispatch should leave that call to a later backend (or
+    None); it must only name a reason when a later backend does run the call."""
     if name not in BACKEND_NAMES:
         raise ValueError(f"name: expected one of {BACKEND_NAMES}, got {name!r}")
     lst = _REGISTRY.setdefault(op, [])
     lst[:] = [b for b in lst if b.name != name]
-    lst.append(Backend(name, fn, supports or (lambda *a: None), priority))
+    lst.append(Backend(name, fn, supports or (lambda *a: None), priority, defer))
     lst.sort(key=lambda b: -b.priority)
 
 
@@ -119,6 +124,8 @@ def select(op: str, *args) -> Backend:
         if want is None and b.name in _disabled:
             continue
         why = b.supports(*args)
+        if why is None and want is None and b.defer is not None:
+            why = b.defer(*args)
         if why is None:
             if (op, b.name) not in _logged:
                 _logged.add((op, b.name))

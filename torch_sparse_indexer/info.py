@@ -93,6 +93,7 @@ def collect() -> dict:
         "forced": backends.forced(),
         "disabled": sorted(backends.disabled()),
         "ops": {op: [b.name for b in backends.candidates(op)] for op in SCHEMAS},
+        "defers": {op: [b.name for b in backends.candidates(op) if b.defer is not None] for op in SCHEMAS},
     }
 
 
@@ -111,10 +112,12 @@ def format_info(info: dict) -> str:
         extra = f" ({f['path']}{'' if f['built'] else ', not built'})" if "path" in f else ""
         lines.append(f"  {name}: {f['status']}{extra}")
     lines.append(f"forced backend: {info['forced'] or 'none'}; disabled: {', '.join(info['disabled']) or 'none'}")
-    lines.append("dispatch order per op (the first that supports a call runs it):")
+    lines.append("dispatch order per op (the first that supports a call runs it; * = passes some calls it supports "
+                 "to a later, faster backend unless forced):")
     width = max(len(op) for op in info["ops"])
     for op, names in info["ops"].items():
-        lines.append(f"  {op:<{width}}  {' > '.join(names)}")
+        defers = info.get("defers", {}).get(op, ())
+        lines.append(f"  {op:<{width}}  {' > '.join(n + '*' if n in defers else n for n in names)}")
     return "\n".join(lines)
 
 

@@ -191,6 +191,22 @@ def supports_indexer_decode(q, q_scale, kv_cache, weights, context_lens, block_t
     return _supports_decode(q, kv_cache, weights, max_context)
 
 
+def defer_decode(q, q_scale, kv_cache, weights, *rest) -> Optional[str]:
+    """Why automatic dispatch leaves an SM90 dense decode call (``paged_mqa_logits``, ``indexer_decode``) to this
+    library's Triton decode kernel, or None. Measured in one process on an H100 (run 117, ``benchmarks/NOTES.md``):
+    our op 1.09-1.58x faster than it on DeepGEMM (the copy out of DeepGEMM's padded buffer included), and our
+    composed decode step 1.08-1.51x faster than DeepGEMM's; on the H200, runs 3 and 103 agree (op, 128 rows of
+    64K-128K). Prefill stays on DeepGEMM (its end-to-end step took 3-10% less time; the scoring ops alone were within
+    3%), and so does SM100, where our kernels have not run."""
+    if _arch(q.device) != "sm90" or "triton" in backends.disabled():
+        return None
+    for b in backends.candidates("paged_mqa_logits"):
+        # The Triton backend's check reads only these four arguments (the op's logits are not at hand here).
+        if b.name == "triton" and b.supports(q, q_scale, kv_cache, weights) is None:
+            return "SM90 decode: this library's Triton kernel is faster (benchmarks/NOTES.md, run 117)"
+    return None
+
+
 def supports_sparse_indexer_prefill(q, q_scale, k, k_scale, weights, ks, ke, candidate_blocks, cbs, topk,
                                     workspace, topk_indices):
     return _supports_sparse(q, weights, candidate_blocks, cbs, k=k, k_scale=k_scale)
@@ -560,10 +576,13 @@ _ENTRIES = {
 }
 
 
+_DEFER = {"paged_mqa_logits": defer_decode, "indexer_decode": defer_decode}
+
+
 def register() -> None:
     """Register the DeepGEMM entries (idempotent). deep_gemm itself is imported on the first support check."""
     for op, (fn, sup) in _ENTRIES.items():
-        backends.register(op, "deepgemm", fn, supports=sup, priority=PRIORITY)
+        backends.register(op, "deepgemm", fn, supports=sup, priority=PRIORITY, defer=_DEFER.get(op))
 
 
 @_cudalib.on_device
