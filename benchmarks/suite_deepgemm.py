@@ -135,7 +135,7 @@ def bench_decode(rows, quick):
         eargs = (qs.q, None, cache, qs.weights, lens, bt, None, ctx, TOPK, CBS, ws, idx, None)
         tk = _topk_backend(out, lens, idx)
         res = {}
-        for impl, fn in (("e2e:deepgemm", lambda: _ops.indexer_decode(*eargs)),
+        for impl, fn in (("e2e:deepgemm", _forced("deepgemm", lambda: _ops.indexer_decode(*eargs))),
                          ("e2e:composed", _without_dg(lambda: _ops.indexer_decode(*eargs)))):
             fn()
             torch.cuda.synchronize()
@@ -188,7 +188,7 @@ def bench_prefill(rows, quick):
         tk = _topk_backend(out, ke, idx)
         del out
         res = {}
-        for impl, fn in (("e2e:deepgemm", lambda: _ops.indexer_prefill(*eargs)),
+        for impl, fn in (("e2e:deepgemm", _forced("deepgemm", lambda: _ops.indexer_prefill(*eargs))),
                          ("e2e:composed", _without_dg(lambda: _ops.indexer_prefill(*eargs)))):
             fn()
             torch.cuda.synchronize()
