@@ -196,8 +196,8 @@ def defer_decode(q, q_scale, kv_cache, weights, *rest) -> Optional[str]:
     library's Triton decode kernel, or None. Measured in one process on an H100 (run 117, ``benchmarks/NOTES.md``):
     our op 1.09-1.58x faster than it on DeepGEMM (the copy out of DeepGEMM's padded buffer included), and our
     composed decode step 1.08-1.51x faster than DeepGEMM's; on the H200, runs 3 and 103 agree (op, 128 rows of
-    64K-128K). Prefill stays on DeepGEMM (its end-to-end step took 3-10% less time; the scoring ops alone were within
-    3%), and so does SM100, where our kernels have not run."""
+    64K-128K). Prefill stays on DeepGEMM (its end-to-end step took up to 11% less time; the scoring ops alone were
+    level, within 5% either way; runs 117-118), and so does SM100, where our kernels have not run."""
     if _arch(q.device) != "sm90" or "triton" in backends.disabled():
         return None
     for b in backends.candidates("paged_mqa_logits"):
