@@ -37,9 +37,8 @@ def test_cpu_emulation_inside_a_scope_does_not_leak():
 
 
 def test_defer_passes_a_supporting_backend_over_only_in_automatic_dispatch():
-    calls = []
-    first = lambda *a: calls.append("deepgemm")  # noqa: E731
-    later = lambda *a: calls.append("triton")  # noqa: E731
+    first = lambda *a: None  # noqa: E731
+    later = lambda *a: None  # noqa: E731
     with backends.registry_scope():
         backends.register("paged_mqa_logits", "deepgemm", first, priority=99,
                           defer=lambda x: "slower here" if x == "defer" else None)
@@ -56,8 +55,8 @@ def test_defer_passes_a_supporting_backend_over_only_in_automatic_dispatch():
 
 def test_deepgemm_decode_defers_to_triton_on_sm90_only(monkeypatch):
     """deepgemm.defer_decode's rule, without a GPU: SM90 and a Triton backend that takes the call (and is not
-    disabled) defer; SM100, a disabled or refusing Triton backend do not. Checked on the H200 end to end in
-    tests/test_deepgemm_gpu.py."""
+    disabled) defer; SM100, a disabled or refusing Triton backend do not. Checked end to end on a GPU with
+    DeepGEMM in tests/test_deepgemm_gpu.py."""
     from torch_sparse_indexer.kernels import deepgemm as dgb
     seen = []
     args = (torch.zeros(2, 64, 128), None, torch.zeros(4, 64, 132, dtype=torch.uint8), torch.zeros(2, 64))
