@@ -48,6 +48,8 @@ TARGETS_ONLY = os.environ.get("TSI_BENCH_TOPK_TARGETS", "0") == "1"
 DECODE_ONLY = TARGETS_ONLY and os.environ.get("TSI_BENCH_TOPK_DECODE", "0") == "1"
 # Only the shared-memory rows' targets (4096 x 16K and sparse_topk), for comparing builds of that path.
 SMEM_ONLY = TARGETS_ONLY and os.environ.get("TSI_BENCH_TOPK_SMEM", "0") == "1"
+# Only the small decode batches (1 .. 64 rows of 128K), on every path (the split kernel's range).
+SMALL_ONLY = os.environ.get("TSI_BENCH_TOPK_SMALL", "0") == "1"
 
 
 def _lengths(R, W, gen):
@@ -179,14 +181,19 @@ def _topk_case(R, W, k, dtype, gen, pattern=None):
                  lambda: torch.topk(x, k, dim=1), check)
     t = ct.tuning()
     alts = []  # the same rows on each path: (impl, modes)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     if t["smem_keys"] < W <= t["cluster_max"] * t["smem_keys"]:
-        alts += [("cuda cluster", dict(cluster="always", wide="off")),
-                 ("cuda one-CTA", dict(cluster="off", wide="off"))]
+        alts += [("cuda cluster", dict(cluster="always", wide="off", split="off")),
+                 ("cuda one-CTA", dict(cluster="off", wide="off", split="off"))]
     if W > t["smem_keys"]:
-        alts.append(("cuda two-pass", dict(cluster="off", sampled=False, wide="off")))
-    if W > t["smem_keys"] and R < 2 * torch.cuda.get_device_properties(DEV).multi_processor_count:
+        alts.append(("cuda two-pass", dict(cluster="off", sampled=False, wide="off", split="off")))
+    if W > t["smem_keys"] and R < 2 * sms:
         # the default ("auto") takes the wide CTAs for at most SMs / 2 rows: both CTA sizes on every decode batch
-        alts += [("cuda 512 threads", dict(wide="off")), (f"cuda {t['wide_threads']} threads", dict(wide="always"))]
+        alts += [("cuda 512 threads", dict(wide="off", split="off")),
+                 (f"cuda {t['wide_threads']} threads", dict(wide="always", split="off"))]
+    if W > t["smem_keys"] and R < sms:  # the split kernel at each cluster size, and the default without it
+        alts += [("cuda no split", dict(split="off"))]
+        alts += [(f"cuda split {c}", dict(split=str(c))) for c in (2, 4, 8) if R * c <= 2 * sms]
     alts += _tri_alts(W, k)
     cuda = rows[0]
     if pattern is None:  # target shapes too: the public baseline is part of what the issue asks to report
@@ -197,7 +204,7 @@ def _topk_case(R, W, k, dtype, gen, pattern=None):
 
 
 _SETTERS = {"cluster": ct.set_cluster_mode, "sampled": ct.set_sampled, "wide": ct.set_wide_mode,
-            "tri": ct.set_tri_mode}
+            "tri": ct.set_tri_mode, "split": ct.set_split_mode}
 
 
 def _tri_alts(W, k):
@@ -273,6 +280,11 @@ def run(args) -> list[dict]:
     K128 = 16384 if q else 131072
     rows: list[dict] = []
     print(f"[topk] three-CTA kernel: {ct.tri_blocks_per_sm()} CTAs per SM", flush=True)
+    if SMALL_ONLY:
+        for R in (1, 2, 4, 8, 16, 32, 48, 64):
+            rows += _topk_case(R, K128, 2048, torch.float32, gen)
+        rows += _topk_case(16, 1 << 20, 2048, torch.float32, gen)
+        return _print(rows)
     for k in (() if SMEM_ONLY else (2048,) if TARGETS_ONLY else (512, 1024, 2048)):
         rows += _topk_case(128, K128, k, torch.float32, gen)
     if not q and not TARGETS_ONLY:
@@ -290,6 +302,10 @@ def run(args) -> list[dict]:
             if not TARGETS_ONLY:
                 rows += _topk_case(R, K128, 2048, torch.bfloat16, gen)
             rows += _block_case(R, K128, 8, 2048, gen)
+    return _print(rows)
+
+
+def _print(rows):
     for r in rows:
         if r["impl"].startswith("cuda"):
             alt = "" if r["impl"] == "cuda" else f" [{r['impl'][5:]}]"

@@ -29,7 +29,7 @@ namespace {
 
 using tsi::Params;
 
-constexpr int kVersion = 5;
+constexpr int kVersion = 6;
 
 int log2_exact(int v) {
   int l = 0;
@@ -190,6 +190,70 @@ cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int dev, int C,
 #endif
 }
 
+// Split mode for dense rows (topk_split_kernel: C CTAs of tsi_wide::THREADS threads in a cluster stream one row,
+// each its slice; see tsi_topk_set_split_mode): 0 = never, 1 = auto (the default), 2 / 3 / 4 = C = 2 / 4 / 8
+// for every dense topk launch of rows longer than smem_keys (before the cluster kernel: tests and benchmarks).
+int g_split_mode = 1;
+
+// Cluster size and slice width of the split kernel for `rows` dense rows of `width` columns; C = 0: not split.
+// Auto: the most CTAs per row (a power of two, at most CLUSTER_MAX) that keep every CTA of the launch on its own
+// SM (rows * C <= SMs), with slices of at least smem_keys columns, for rows the cluster kernel does not take.
+void split_shape(int rows, int width, int dev, int* C, int* S) {
+  *C = 0;
+  *S = 0;
+  if (g_split_mode == 0 || width <= tsi::SMEM_KEYS) return;
+  int c = 1;
+  if (g_split_mode >= 2) {
+    c = 1 << (g_split_mode - 1);
+  } else {
+    int cc, ss;
+    cluster_shape(rows, width, dev, &cc, &ss);
+    if (cc > 0) return;
+    while (2 * c <= tsi::CLUSTER_MAX && (long long)rows * 2 * c <= sm_count(dev) &&
+           width / (2 * c) >= tsi::SMEM_KEYS)
+      c *= 2;
+    if (c < 2) return;
+  }
+  *C = c;
+  *S = (((width + c - 1) / c) + 31) & ~31;
+}
+
+template <typename T>
+cudaError_t launch_split(const Params& p_in, cudaStream_t stream, int dev, int C, int S) {
+  using Elem = typename WideElem<T>::type;
+  constexpr int smem = (int)sizeof(tsi_wide::Smem);
+  Params p = p_in;
+  p.prefetch_bytes = 1024 * ((long long)p.rows * C <= sm_count(dev) ? TSI_PREFETCH_WAVE_KB : TSI_PREFETCH_KB);
+#ifndef TSI_EMULATE
+  static bool done[64] = {false};
+  if (!done[dev]) {
+    cudaError_t e =
+        cudaFuncSetAttribute(tsi_wide::topk_split_kernel<Elem>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+    done[dev] = true;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)(p.rows * C), 1, 1);
+  cfg.blockDim = dim3(tsi_wide::THREADS, 1, 1);
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)C;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, tsi_wide::topk_split_kernel<Elem>, p, S, C);
+  return e != cudaSuccess ? e : cudaGetLastError();
+#else
+  (void)stream;
+  tsi_emu::launch_cluster(p.rows * C, C, tsi_wide::THREADS, smem,
+                          [p, S, C]() { tsi_wide::topk_split_kernel<Elem>(p, S, C); });
+  return cudaSuccess;
+#endif
+}
+
 // Streamed rows try the sampled threshold first (one read of the row; see sampled_mode): 1 = on (default).
 int g_sampled = 1;
 
@@ -320,6 +384,9 @@ int tsi_topk(const void* logits, long long row_stride, int rows, int width, int 
   int dev;
   if (cudaError_t e = current_device(&dev); e != cudaSuccess) return e;
   int C, S;
+  split_shape(rows, width, dev, &C, &S);
+  if (C > 0)
+    return dtype == 0 ? launch_split<float>(p, s, dev, C, S) : launch_split<tsi::bf16_tag>(p, s, dev, C, S);
   cluster_shape(rows, width, dev, &C, &S);
   if (C > 0)
     return dtype == 0 ? launch_cluster<float>(p, s, dev, C, S) : launch_cluster<tsi::bf16_tag>(p, s, dev, C, S);
@@ -339,6 +406,16 @@ int tsi_topk_set_cluster_mode(int mode) {
   return prev;
 }
 int tsi_topk_cluster_max() { return tsi::CLUSTER_MAX; }
+
+// Split mode of tsi_topk (dense rows longer than smem_keys streamed by a cluster of CTAs, each its slice; see
+// g_split_mode): 0 = off, 1 = auto (the default), 2 / 3 / 4 = clusters of 2 / 4 / 8 CTAs for every such launch.
+// Results are identical in every mode. Returns the previous mode; a value outside 0..4 only queries. For
+// benchmarks and tests; not thread-safe against launches.
+int tsi_topk_set_split_mode(int mode) {
+  const int prev = g_split_mode;
+  if (mode >= 0 && mode <= 4) g_split_mode = mode;
+  return prev;
+}
 
 // Wide-CTA mode of tsi_topk (dense rows that do not take the cluster kernel; one CTA of tsi_topk_wide_threads()
 // threads per row instead of TSI_THREADS): 0 = off, 1 = auto (the default: rows longer than smem_keys in batches

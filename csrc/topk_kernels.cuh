@@ -1719,17 +1719,17 @@ __device__ __forceinline__ bool sampled_batch(Smem& sm, const Src& src, const Ra
   return go_on;
 }
 
-template <int U, int UB, class Src>
-__device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, int prefetch_bytes) {
-  static_assert(U * THREADS * Src::E < 65536, "batch counts");
+// sampled_mode's first step: the threshold tau from a sample of src's row (TILES tiles spread over it), while
+// L2 fetches the head of pre's columns (the columns the pass reads first: the row's head, or a split CTA's slice).
+// False where the row is too short to sample or the sample holds too few keys (the caller takes another path).
+// Leaves hist zero.
+template <class Src, class Pre>
+__device__ __forceinline__ bool sampled_threshold(Smem& sm, const Src& src, const Pre& pre, int kk, int prefetch_bytes, uint32_t& tau) {
   using S = Sample<Src>;
   const int n = src.items();
   const int ntiles = (n + THREADS - 1) / THREADS;
   if (ntiles < 2 * S::TILES) return false;
   uint32_t* candK = sm.region;
-  uint32_t* candI = sm.region + CAND_CAP;
-  uint32_t* G = sm.region + 2 * CAND_CAP;
-  uint32_t* Q = G + LIST_CAP;
   TSI_MARK(0);
   clear_hist(sm);
   if (threadIdx.x == 0) sm.ctl[4] = 0u;
@@ -1742,7 +1742,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, int pre
   // The head of the row, on its way to L2 while the sample and its threshold take their few microseconds (HBM
   // otherwise idle then, at one row per SM): the pass starts on it. (Prefetching ahead of the pass all along,
   // one or more 64 KB batches ahead, was slower: NOTES.md, run 76.)
-  if constexpr (Src::KIND == DENSE) src.ch.prefetch_l2(prefetch_bytes);
+  if constexpr (Pre::KIND == DENSE) pre.ch.prefetch_l2(prefetch_bytes);
 #pragma unroll
   for (int s = 0; s < S::TILES; ++s) {
     const int c = (int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x;
@@ -1760,9 +1760,20 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, int pre
   int j = (target_count(kk, CAND_CAP) * (S::TILES * S::ITEMS) + n - 1) / n;
   j = j < 1 ? 1 : j;
   if (j > sv) return false;
-  const uint32_t tau = sample_tau(sm, candK, sv, (uint32_t)j);
+  tau = sample_tau(sm, candK, sv, (uint32_t)j);
   TSI_MARK(25);
-  if constexpr (TSI_TOPK_STOP == 1) return true;
+  return true;
+}
+
+// sampled_mode's pass: every element of src with key >= tau to the buffer (keys at region[0, CAND_CAP), element
+// indices src.index() at region[CAND_CAP, 2 * CAND_CAP)), in any order where `bitmap` (then the bitmaps G and Q
+// of W words past the buffer are cleared for the selection), else in index order. Returns how many elements
+// passed, counted past CAND_CAP where the pass stopped early (the buffer then holds CAND_CAP of them); ctl[6] =
+// the largest buffered key. Ends with a barrier.
+template <int U, int UB, class Src>
+__device__ __forceinline__ uint32_t sampled_pass(Smem& sm, int& par, const Src& src, uint32_t tau, bool bitmap, int W) {
+  uint32_t* G = sm.region + 2 * CAND_CAP;
+  uint32_t* Q = G + LIST_CAP;
   // Dense rows and a positive threshold (the common case): the cheap bit test of DenseSrc::pos_mask, keys
   // computed only for the elements that pass (a loop over the set bits: about 3% of them). Other rows and
   // thresholds: keys computed for every element, as in stream_mode. (Buffering positions only and reading
@@ -1770,14 +1781,11 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, int pre
   // evicted from L2 by then.)
   bool fast = false;
   if constexpr (Src::KIND == DENSE) fast = tau > 0x80000000u;
-  const bool bitmap = src.m <= BITMAP_ELEMS;
-  const int W = (src.m + 31) >> 5;
   if (threadIdx.x == 0) sm.ctl[4] = sm.ctl[6] = 0u;
   if (bitmap)
     for (int w = threadIdx.x; w < W; w += THREADS) G[w] = Q[w] = 0u;
   __syncthreads();
   TSI_MARK(2);
-  int par = 0;
   uint32_t run = 0u, mx = 0u;  // mx: the largest key buffered by this thread
   if (bitmap) {
     stream_while<UB, false>(src, [&](const Raw (&cur)[UB], int base) {
@@ -1792,10 +1800,20 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, int pre
   if ((threadIdx.x & 31) == 0 && mx != 0u) atomicMax(&sm.ctl[6], mx);
   __syncthreads();
   TSI_MARK(3);
-  if constexpr (TSI_TOPK_STOP == 2) return true;
-  const uint32_t cnt = bitmap ? sm.ctl[4] : run;
-  if (cnt < (uint32_t)kk || cnt > (uint32_t)CAND_CAP) return false;
-  const int c = (int)cnt;
+  return bitmap ? sm.ctl[4] : run;
+}
+
+// sampled_mode's selection: the exact top kk of the c buffered elements (kk <= c <= CAND_CAP: every element with
+// key >= tau, the largest ctl[6]; element indices of src's row) written to out as src.pos() in index order, -1
+// padded where c < kk cannot happen. hist is zero; with `bitmap`, G and Q (src.m bits) are clear.
+template <class Src>
+__device__ __forceinline__ void sampled_select(Smem& sm, int& par, const Src& src, int* out, int kk, int c, uint32_t tau,
+                                               bool bitmap) {
+  uint32_t* candK = sm.region;
+  uint32_t* candI = sm.region + CAND_CAP;
+  uint32_t* G = sm.region + 2 * CAND_CAP;
+  uint32_t* Q = G + LIST_CAP;
+  const int W = (src.m + 31) >> 5;
   // Every buffered key lies in [tau, the largest]: a radix select on that range (sample_tau left hist zero).
   // (Counting the first digit in the pass instead, over bins sized to the sample's range, made the pass spill
   // and run 3x slower: NOTES.md, run 77.)
@@ -1803,7 +1821,7 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, int pre
   const Thresh t = buffer_resolve(sm, candK, c, tau, sm.ctl[6], (uint32_t)kk, bitmap ? &mk : nullptr);
   __syncthreads();
   TSI_MARK(4);
-  if constexpr (TSI_TOPK_STOP == 3) return true;
+  if constexpr (TSI_TOPK_STOP == 3) return;
   if (bitmap) {
     if (!t.marked) mark_selected(G, Q, candK, candI, c, t);
     TSI_MARK(5);
@@ -1813,6 +1831,20 @@ __device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, int pre
     smem_select(sm, par, candK, c, t, [&](uint32_t rank, int i) { out[rank] = src.pos((int)candI[i]); });
   }
   TSI_MARK(6);
+}
+
+template <int U, int UB, class Src>
+__device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, int prefetch_bytes) {
+  static_assert(U * THREADS * Src::E < 65536, "batch counts");
+  uint32_t tau;
+  if (!sampled_threshold(sm, src, src, kk, prefetch_bytes, tau)) return false;
+  if constexpr (TSI_TOPK_STOP == 1) return true;
+  const bool bitmap = src.m <= BITMAP_ELEMS;
+  int par = 0;
+  const uint32_t cnt = sampled_pass<U, UB>(sm, par, src, tau, bitmap, (src.m + 31) >> 5);
+  if constexpr (TSI_TOPK_STOP == 2) return true;
+  if (cnt < (uint32_t)kk || cnt > (uint32_t)CAND_CAP) return false;
+  sampled_select(sm, par, src, out, kk, (int)cnt, tau, bitmap);
   return true;
 }
 
@@ -2072,6 +2104,98 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
     stream_mode<U>(sm, src, out, kk);
   }
   if (Src::KIND == SPARSE) sort_positions_if_unordered(sm, out, kk);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Split mode: dense rows streamed by a cluster of C CTAs, for batches of fewer rows than SMs (one CTA per row
+// reads its row at one SM's pace, ~30 GB/s, while most SMs idle). Every CTA takes the same sample of the whole row
+// (the same keys, so the same tau: no exchange needed), then streams its slice of S columns, buffering the elements
+// with key >= tau as sampled_mode does. Rank 0 then copies the other CTAs' buffers after its own through
+// distributed shared memory and runs sampled_mode's selection on the union: every element of the row with key >=
+// tau, so it is exact whenever kk <= total <= CAND_CAP, as in sampled_mode. (Buffers in any order where the row has
+// at most BITMAP_ELEMS columns; else each slice's buffer is in index order, so the union in rank order is too.)
+// Otherwise, and for rows that do not sample (short valid lengths, two-pass mode), rank 0 selects the whole row
+// alone on the one-CTA paths. Every branch before the first cluster barrier depends only on the row's data,
+// identically in every CTA, and every CTA that passes it reaches both barriers.
+// ------------------------------------------------------------------------------------------------
+
+// A slice of the row whose buffered element indices are the row's columns (DenseSrc's index() is the slice's).
+template <typename T>
+struct DenseSliceSrc : DenseSrc<T> {
+  __device__ DenseSliceSrc(const Params& p, int r, int q, int S) : DenseSrc<T>(p, r, q, S) {}
+  __device__ __forceinline__ int index(int c, int j) const { return this->off + DenseSrc<T>::index(c, j); }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(THREADS, 1) topk_split_kernel(Params p, int S, int C) {
+  using Src = DenseSrc<T>;
+  constexpr int U = TSI_U1 / (Src::E == 8 ? 2 : 1);
+  constexpr int UB = Src::E == 8 ? (TSI_UB1 + 1) / 2 : TSI_UB1;
+  TSI_DYN_SMEM(smem_raw);
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  const int q = (int)tsi_cluster_rank();
+  const int row = (int)blockIdx.x / C;
+  const Src src(p, row);  // the whole row: the sample, and rank 0's selection
+  int* out = p.out + (long long)row * p.kk;
+  const int kk = p.kk;
+  uint32_t tau = 0u;
+  const bool split = src.m > kk && src.m > SMEM_KEYS && p.sampled;
+  if (!split || !sampled_threshold(sm, src, DenseSliceSrc<T>(p, row, q, S), kk, p.prefetch_bytes, tau)) {
+    if (q != 0) return;
+    if (dense_all_valid(src, out, kk)) return;
+    if (src.m <= SMEM_KEYS) {
+      smem_mode<U>(sm, src, out, kk);
+    } else {
+      __syncthreads();
+      stream_mode<U>(sm, src, out, kk);
+    }
+    return;
+  }
+  const bool bitmap = src.m <= BITMAP_ELEMS;
+  int par = 0;
+  const uint32_t cnt = sampled_pass<U, UB>(sm, par, DenseSliceSrc<T>(p, row, q, S), tau, bitmap,
+                                           q == 0 ? (src.m + 31) >> 5 : 0);
+  if (threadIdx.x == 0) sm.ctl[5] = cnt;  // (ctl[6]: the largest key this CTA buffered)
+  tsi_cluster_sync();
+  bool ok = false;
+  uint32_t total = 0u;
+  if (q == 0) {
+    uint32_t mx = 0u;
+    ok = true;
+    for (int r = 0; r < C; ++r) {
+      const uint32_t c = *tsi_cluster_map(&sm.ctl[5], (unsigned)r);
+      const uint32_t m = *tsi_cluster_map(&sm.ctl[6], (unsigned)r);
+      ok = ok && c <= (uint32_t)CAND_CAP;
+      total += c <= (uint32_t)CAND_CAP ? c : (uint32_t)CAND_CAP + 1u;
+      mx = m > mx ? m : mx;
+    }
+    ok = ok && total >= (uint32_t)kk && total <= (uint32_t)CAND_CAP;
+    if (ok) {
+      uint32_t* candK = sm.region;
+      uint32_t* candI = sm.region + CAND_CAP;
+      uint32_t base = *tsi_cluster_map(&sm.ctl[5], 0u);
+      for (int r = 1; r < C; ++r) {
+        const uint32_t c = *tsi_cluster_map(&sm.ctl[5], (unsigned)r);
+        const uint32_t* rk = tsi_cluster_map(candK, (unsigned)r);
+        const uint32_t* ri = tsi_cluster_map(candI, (unsigned)r);
+        for (uint32_t i = threadIdx.x; i < c; i += THREADS) {
+          candK[base + i] = rk[i];
+          candI[base + i] = ri[i];
+        }
+        base += c;
+      }
+    }
+    __syncthreads();  // every thread has read ctl[5] and ctl[6] before thread 0 rewrites ctl[6]
+    if (threadIdx.x == 0) sm.ctl[6] = mx;
+  }
+  tsi_cluster_sync();  // the last access to another CTA's shared memory: CTAs may exit after this
+  if (q != 0) return;
+  __syncthreads();
+  if (ok) {
+    sampled_select(sm, par, src, out, kk, (int)total, tau, bitmap);
+  } else {
+    stream_mode<U>(sm, src, out, kk);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------

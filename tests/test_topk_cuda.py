@@ -65,6 +65,26 @@ def sampled(request):
     ct.set_sampled(prev)
 
 
+@pytest.fixture(autouse=True)
+def _split_off(request):
+    """Split mode off, so that each test reaches the path it aims at (on a GPU, "auto" would take every small
+    batch of streamed rows), except in the tests that ask for it (the ``split`` fixture, test_topk_split_mode)."""
+    if "split" in request.fixturenames or request.node.name.startswith("test_topk_split_mode"):
+        yield
+        return
+    prev = ct.set_split_mode("off")
+    yield
+    ct.set_split_mode(prev)
+
+
+@pytest.fixture(params=["2", "4", "8"], ids=lambda m: f"split{m}")
+def split(request):
+    """Every dense topk launch of streamed-width rows on the split kernel, with 2, 4 and 8 CTAs per row."""
+    prev = ct.set_split_mode(request.param)
+    yield int(request.param)
+    ct.set_split_mode(prev)
+
+
 @pytest.fixture
 def cluster_always():
     prev = ct.set_cluster_mode("always")
@@ -294,6 +314,96 @@ def test_topk_wide_patterns(pattern, W, gen, sampled, wide_always):
         x = _pattern(pattern, lens.shape[0], W, gen).to(DEV)
         a, b = _run_topk(x, lens, k)
         _assert_same(a, b, f"wide topk {pattern} W={W} k={k}")
+
+
+def _same_as_one_cta(x, lens, k, got):
+    """The same rows with split mode off give the same bits."""
+    prev = ct.set_split_mode("off")
+    try:
+        again, _ = _run_topk(x, lens, k)
+    finally:
+        ct.set_split_mode(prev)
+    testing.assert_bitwise_equal(again, got)
+
+
+def _split_slice(W, C):
+    return ((-(-W // C)) + 31) // 32 * 32  # the library's slice width
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("W", [SMEM_KEYS + 3, W_CLUSTER, W_BITMAP, W_BITMAP + 1, W_STREAM])
+def test_topk_split(dtype, W, gen, split, sampled):
+    """The split kernel (a cluster of CTAs per row, each streaming its slice after a shared sample's threshold)
+    on random rows with edge lengths, rows buffered in any order (up to W_BITMAP) and in index order (past it)."""
+    for k in sorted({1, 7, min(2048, MAXK), MAXK}):
+        lens = _lengths(W, k, gen).to(DEV)
+        x = torch.randn(lens.shape[0], W, generator=gen).to(dtype).to(DEV)
+        a, b = _run_topk(x, lens, k)
+        _assert_same(a, b, f"split{split} topk {dtype} W={W} k={k}")
+        _same_as_one_cta(x, lens, k, a)
+
+
+@pytest.mark.parametrize("pattern", ["randn", "all_equal", "threshold_ties", "few_values", "one_bin", "specials",
+                                     "nan_neginf", "ascending", "log_uniform"])
+@pytest.mark.parametrize("W", [W_BITMAP, W_STREAM])
+def test_topk_split_seams(pattern, W, gen, split):
+    """Rows ending inside each slice (later CTAs buffer nothing), ties spread over several slices (the lowest
+    positions win across slice boundaries), candidates piling up in one slice (ascending), and rows whose
+    buffers overflow or hold fewer than k (massive ties: rank 0 selects the row alone)."""
+    S = _split_slice(W, split)
+    lens = torch.tensor([W, W - 1, S, S + 1, 2 * S - 3, S - 1, -1, W + 9, SMEM_KEYS + 1], dtype=torch.int32)
+    for k in sorted({1, min(100, MAXK), min(2048, MAXK), MAXK}):
+        x = _pattern(pattern, lens.shape[0], W, gen).to(DEV)
+        a, b = _run_topk(x, lens.to(DEV), k)
+        _assert_same(a, b, f"split{split} {pattern} W={W} k={k}")
+        _same_as_one_cta(x, lens.to(DEV), k, a)
+
+
+@pytest.mark.parametrize("skew", ["ascending", "descending", "hot_quarter", "hot_sparse", "hot_few", "lengths"])
+def test_topk_split_unrepresentative_sample(skew, gen, split):
+    """Samples that misjudge the threshold (as test_topk_unrepresentative_sample): far too low (some CTA's buffer
+    overflows), far too high (fewer than k in all buffers together), drawn from columns past the row's length."""
+    W = W_BITMAP
+    x = torch.randn(4, W, generator=gen)
+    lens = torch.tensor([W, W - 17, W // 2 + 3, SMEM_KEYS + 9], dtype=torch.int32)
+    if skew == "ascending":
+        x = x * 0.01 + torch.linspace(0, 100, W)
+    elif skew == "descending":
+        x = x * 0.01 + torch.linspace(100, 0, W)
+    elif skew == "hot_quarter":
+        x[:, W // 4 - W // 64: W // 4 + W // 64] += 50
+    elif skew == "hot_sparse":
+        x[:, 7::1013] += 100
+    elif skew == "hot_few":
+        x[:, 5:5 + 37 * 20:37] += 100
+    else:
+        lens = torch.tensor([W // 5, W // 3, SMEM_KEYS + 1, W // 4 + 1], dtype=torch.int32)
+    for k in sorted({1, 20, 21, min(512, MAXK), MAXK}):
+        a, b = _run_topk(x.to(DEV), lens.to(DEV), k)
+        _assert_same(a, b, f"split{split} unrepresentative sample {skew} k={k}")
+
+
+def test_topk_split_mode(gen):
+    """"auto" (the default) splits rows only where every CTA gets its own SM and the cluster kernel does not take
+    them (in the emulation, which reports two SMs: one row of W_STREAM columns, two CTAs); every mode gives the
+    same bits."""
+    with pytest.raises(ValueError, match="mode"):
+        ct.set_split_mode("16")
+    W, k = W_STREAM, min(2048, MAXK)
+    x = torch.randn(1, W, generator=gen).to(DEV)
+    lens = torch.tensor([W - 11], dtype=torch.int32, device=DEV)
+    prev = ct.set_split_mode("off")
+    assert prev == "auto"
+    try:
+        outs = {}
+        for mode in ct.SPLIT_MODES:
+            assert ct.set_split_mode(mode) in ct.SPLIT_MODES
+            outs[mode], ref = _run_topk(x, lens, k)
+            _assert_same(outs[mode], ref, f"split mode {mode}")
+        for mode in ct.SPLIT_MODES:
+            testing.assert_bitwise_equal(outs[mode], outs["off"])
+    finally:
+        ct.set_split_mode(prev)
 
 
 def test_topk_wide_mode(gen):

@@ -38,8 +38,9 @@ def _declare(lib: ctypes.CDLL) -> None:
               lib.tsi_topk_smem_keys, lib.tsi_topk_cand_cap, lib.tsi_topk_cluster_max, lib.tsi_topk_set_cluster_mode,
               lib.tsi_topk_set_sampled, lib.tsi_topk_set_wide_mode, lib.tsi_topk_wide_threads,
               lib.tsi_topk_set_tri_mode, lib.tsi_topk_tri_max_k, lib.tsi_topk_tri_blocks_per_sm,
-              lib.tsi_topk_tri_launches):
+              lib.tsi_topk_tri_launches, lib.tsi_topk_set_split_mode):
         f.restype = ctypes.c_int
+    lib.tsi_topk_set_split_mode.argtypes = [i32]
     lib.tsi_topk_set_tri_mode.argtypes = [i32]
     lib.tsi_topk_set_cluster_mode.argtypes = [i32]
     lib.tsi_topk_set_wide_mode.argtypes = [i32]
@@ -97,6 +98,23 @@ def set_cluster_mode(mode: str) -> str:
     if not available():
         return "auto"
     return CLUSTER_MODES[_LIB.lib.tsi_topk_set_cluster_mode(CLUSTER_MODES.index(mode))]
+
+
+SPLIT_MODES = ("off", "auto", "2", "4", "8")
+
+
+def set_split_mode(mode: str) -> str:
+    """Whether dense ``topk`` rows longer than ``smem_keys`` are streamed by a cluster of CTAs, each reading its
+    slice of the row after a shared sample's threshold (one CTA then selects among every CTA's buffered
+    candidates): ``"auto"`` (the default: batches of fewer rows than SMs that the cluster kernel does not take,
+    with the most CTAs per row, up to 8, that keep one CTA per SM), ``"off"``, or ``"2"`` / ``"4"`` / ``"8"`` CTAs
+    per row for every such launch, ahead of the cluster kernel. Results are identical in every mode. Returns the
+    previous mode. For benchmarks and tests that compare the paths."""
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"mode: expected one of {SPLIT_MODES}, got {mode!r}")
+    if not available():
+        return "auto"
+    return SPLIT_MODES[_LIB.lib.tsi_topk_set_split_mode(SPLIT_MODES.index(mode))]
 
 
 WIDE_MODES = ("off", "auto", "always")
