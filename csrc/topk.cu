@@ -194,25 +194,78 @@ cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int dev, int C,
 // each its slice; see tsi_topk_set_split_mode): 0 = never, 1 = auto (the default), 2 / 3 / 4 = C = 2 / 4 / 8
 // for every dense topk launch of rows longer than smem_keys (before the cluster kernel: tests and benchmarks).
 int g_split_mode = 1;
+unsigned g_split_launches = 0;  // (tests check that a mode reaches the kernel)
+
+constexpr int kSplitSmem = (int)sizeof(tsi_wide::Smem);
+
+// The split kernel's dynamic shared-memory limit, once per device (not a stream operation: capture-safe).
+cudaError_t split_attrs(int dev) {
+#ifndef TSI_EMULATE
+  static bool done[64] = {false};
+  if (done[dev]) return cudaSuccess;
+  for (cudaError_t e : {cudaFuncSetAttribute(tsi_wide::topk_split_kernel<float>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSplitSmem),
+                        cudaFuncSetAttribute(tsi_wide::topk_split_kernel<tsi_wide::bf16_tag>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSplitSmem)})
+    if (e != cudaSuccess) return e;
+  done[dev] = true;
+#else
+  (void)dev;
+#endif
+  return cudaSuccess;
+}
+
+// How many clusters of C split-kernel CTAs can be resident at once (a GPC holds whole clusters, so on a GPU whose
+// GPCs have unequal SM counts this is less than SMs / C), read once per device and C (an occupancy query, not a
+// stream operation: capture-safe). 0 where it cannot be read.
+int split_clusters(int dev, int C) {
+#ifndef TSI_EMULATE
+  static int cache[64][4] = {};
+  const int i = C == 2 ? 1 : (C == 4 ? 2 : 3);
+  if (cache[dev][i] == 0) {
+    int n = 0;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)C, 1, 1);
+    cfg.blockDim = dim3(tsi_wide::THREADS, 1, 1);
+    cfg.dynamicSmemBytes = (size_t)kSplitSmem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = (unsigned)C;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (split_attrs(dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, tsi_wide::topk_split_kernel<float>, &cfg) != cudaSuccess || n < 0)
+      n = 0;
+    (void)cudaGetLastError();  // a failed query must not be reported by the next launch
+    cache[dev][i] = n > 0 ? n : -1;
+  }
+  return cache[dev][i] > 0 ? cache[dev][i] : 0;
+#else
+  (void)dev;
+  return tsi_emu::sm_count() / C;
+#endif
+}
 
 // Cluster size and slice width of the split kernel for `rows` dense rows of `width` columns; C = 0: not split.
-// Auto: the most CTAs per row (a power of two, at most CLUSTER_MAX) that keep every CTA of the launch on its own
-// SM (rows * C <= SMs), with slices of at least smem_keys columns, for rows the cluster kernel does not take.
+// Auto: batches of at most SMs / 4 rows (past that, one CTA per row already streams the batch at a good share of
+// HBM bandwidth: 48 and 64 rows x 128K were 2-9% slower split in two on an H100, NOTES.md "Session 28"), with the
+// most CTAs per row (8, 4 or 2) whose clusters all fit on the GPU at once and whose slices keep at least smem_keys
+// columns. (A cluster size whose clusters do not all fit runs a second wave: 16 rows x 8 CTAs and 32 x 4 took
+// 1.2-1.3x the one-CTA time.)
 void split_shape(int rows, int width, int dev, int* C, int* S) {
   *C = 0;
   *S = 0;
   if (g_split_mode == 0 || width <= tsi::SMEM_KEYS) return;
-  int c = 1;
+  int c = 0;
   if (g_split_mode >= 2) {
     c = 1 << (g_split_mode - 1);
   } else {
-    int cc, ss;
-    cluster_shape(rows, width, dev, &cc, &ss);
-    if (cc > 0) return;
-    while (2 * c <= tsi::CLUSTER_MAX && (long long)rows * 2 * c <= sm_count(dev) &&
-           width / (2 * c) >= tsi::SMEM_KEYS)
-      c *= 2;
-    if (c < 2) return;
+    if ((long long)rows * 4 > sm_count(dev)) return;
+    for (int cc = tsi::CLUSTER_MAX; cc >= 2 && c == 0; cc /= 2)
+      if (width / cc >= tsi::SMEM_KEYS && rows <= split_clusters(dev, cc)) c = cc;
+    if (c == 0) return;
   }
   *C = c;
   *S = (((width + c - 1) / c) + 31) & ~31;
@@ -221,21 +274,15 @@ void split_shape(int rows, int width, int dev, int* C, int* S) {
 template <typename T>
 cudaError_t launch_split(const Params& p_in, cudaStream_t stream, int dev, int C, int S) {
   using Elem = typename WideElem<T>::type;
-  constexpr int smem = (int)sizeof(tsi_wide::Smem);
   Params p = p_in;
   p.prefetch_bytes = 1024 * ((long long)p.rows * C <= sm_count(dev) ? TSI_PREFETCH_WAVE_KB : TSI_PREFETCH_KB);
+  if (cudaError_t e = split_attrs(dev); e != cudaSuccess) return e;
+  ++g_split_launches;
 #ifndef TSI_EMULATE
-  static bool done[64] = {false};
-  if (!done[dev]) {
-    cudaError_t e =
-        cudaFuncSetAttribute(tsi_wide::topk_split_kernel<Elem>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    done[dev] = true;
-  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)(p.rows * C), 1, 1);
   cfg.blockDim = dim3(tsi_wide::THREADS, 1, 1);
-  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.dynamicSmemBytes = (size_t)kSplitSmem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -248,7 +295,7 @@ cudaError_t launch_split(const Params& p_in, cudaStream_t stream, int dev, int C
   return e != cudaSuccess ? e : cudaGetLastError();
 #else
   (void)stream;
-  tsi_emu::launch_cluster(p.rows * C, C, tsi_wide::THREADS, smem,
+  tsi_emu::launch_cluster(p.rows * C, C, tsi_wide::THREADS, kSplitSmem,
                           [p, S, C]() { tsi_wide::topk_split_kernel<Elem>(p, S, C); });
   return cudaSuccess;
 #endif
@@ -416,6 +463,7 @@ int tsi_topk_set_split_mode(int mode) {
   if (mode >= 0 && mode <= 4) g_split_mode = mode;
   return prev;
 }
+int tsi_topk_split_launches() { return (int)(g_split_launches & 0x7fffffffu); }
 
 // Wide-CTA mode of tsi_topk (dense rows that do not take the cluster kernel; one CTA of tsi_topk_wide_threads()
 // threads per row instead of TSI_THREADS): 0 = off, 1 = auto (the default: rows longer than smem_keys in batches

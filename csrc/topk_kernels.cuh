@@ -2110,9 +2110,9 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
 // Split mode: dense rows streamed by a cluster of C CTAs, for batches of fewer rows than SMs (one CTA per row
 // reads its row at one SM's pace, ~30 GB/s, while most SMs idle). Every CTA takes the same sample of the whole row
 // (the same keys, so the same tau: no exchange needed), then streams its slice of S columns, buffering the elements
-// with key >= tau as sampled_mode does. Rank 0 then copies the other CTAs' buffers after its own through
-// distributed shared memory and runs sampled_mode's selection on the union: every element of the row with key >=
-// tau, so it is exact whenever kk <= total <= CAND_CAP, as in sampled_mode. (Buffers in any order where the row has
+// with key >= tau as sampled_mode does. The CTAs then push their buffers after rank 0's own through distributed
+// shared memory (in rank order), and rank 0 runs sampled_mode's selection on the union: every element of the row
+// with key >= tau, so it is exact whenever kk <= total <= CAND_CAP, as in sampled_mode. (Buffers in any order where the row has
 // at most BITMAP_ELEMS columns; else each slice's buffer is in index order, so the union in rank order is too.)
 // Otherwise, and for rows that do not sample (short valid lengths, two-pass mode), rank 0 selects the whole row
 // alone on the one-CTA paths. Every branch before the first cluster barrier depends only on the row's data,
@@ -2157,35 +2157,36 @@ __global__ void __launch_bounds__(THREADS, 1) topk_split_kernel(Params p, int S,
                                            q == 0 ? (src.m + 31) >> 5 : 0);
   if (threadIdx.x == 0) sm.ctl[5] = cnt;  // (ctl[6]: the largest key this CTA buffered)
   tsi_cluster_sync();
-  bool ok = false;
-  uint32_t total = 0u;
+  // Every CTA reads the same counts, so every CTA decides the same. Each pushes its buffer into rank 0's after the
+  // buffers of the ranks before it (remote stores: no CTA waits on another's loads), which the barrier below
+  // makes visible to rank 0.
+  uint32_t total = 0u, base = 0u;
+  bool ok = true;
+  for (int r = 0; r < C; ++r) {
+    const uint32_t c = *tsi_cluster_map(&sm.ctl[5], (unsigned)r);
+    ok = ok && c <= (uint32_t)CAND_CAP;
+    const uint32_t cc = c <= (uint32_t)CAND_CAP ? c : (uint32_t)CAND_CAP + 1u;
+    if (r < q) base += cc;
+    total += cc;
+  }
+  ok = ok && total >= (uint32_t)kk && total <= (uint32_t)CAND_CAP;
+  uint32_t* candK = sm.region;
+  uint32_t* candI = sm.region + CAND_CAP;
+  if (ok && q != 0) {
+    uint32_t* dk = tsi_cluster_map(candK, 0u) + base;
+    uint32_t* di = tsi_cluster_map(candI, 0u) + base;
+    for (uint32_t i = threadIdx.x; i < cnt; i += THREADS) {
+      dk[i] = candK[i];
+      di[i] = candI[i];
+    }
+  }
   if (q == 0) {
     uint32_t mx = 0u;
-    ok = true;
     for (int r = 0; r < C; ++r) {
-      const uint32_t c = *tsi_cluster_map(&sm.ctl[5], (unsigned)r);
       const uint32_t m = *tsi_cluster_map(&sm.ctl[6], (unsigned)r);
-      ok = ok && c <= (uint32_t)CAND_CAP;
-      total += c <= (uint32_t)CAND_CAP ? c : (uint32_t)CAND_CAP + 1u;
       mx = m > mx ? m : mx;
     }
-    ok = ok && total >= (uint32_t)kk && total <= (uint32_t)CAND_CAP;
-    if (ok) {
-      uint32_t* candK = sm.region;
-      uint32_t* candI = sm.region + CAND_CAP;
-      uint32_t base = *tsi_cluster_map(&sm.ctl[5], 0u);
-      for (int r = 1; r < C; ++r) {
-        const uint32_t c = *tsi_cluster_map(&sm.ctl[5], (unsigned)r);
-        const uint32_t* rk = tsi_cluster_map(candK, (unsigned)r);
-        const uint32_t* ri = tsi_cluster_map(candI, (unsigned)r);
-        for (uint32_t i = threadIdx.x; i < c; i += THREADS) {
-          candK[base + i] = rk[i];
-          candI[base + i] = ri[i];
-        }
-        base += c;
-      }
-    }
-    __syncthreads();  // every thread has read ctl[5] and ctl[6] before thread 0 rewrites ctl[6]
+    __syncthreads();  // every thread has read ctl[6] before thread 0 rewrites it
     if (threadIdx.x == 0) sm.ctl[6] = mx;
   }
   tsi_cluster_sync();  // the last access to another CTA's shared memory: CTAs may exit after this

@@ -28,11 +28,13 @@ pytestmark = [pytest.mark.slow,
 
 # Emulated top-k tests run here (about half the file): every row path (shared-memory rows with the bitmap
 # selection and the old refinement, streamed rows sampled and two-pass, overflowing threshold bins, cluster
-# slices, the wide-CTA kernels, the three-CTA kernel), the value patterns (ties, NaN, -inf, signed zeros, ...) on
-# shared-memory rows, sparse and block variants, tiny and empty rows.
+# slices, the wide-CTA kernels, the three-CTA kernel, the split kernel at each cluster size), the value patterns
+# (ties, NaN, -inf, signed zeros, ...) on shared-memory rows, sparse and block variants, tiny and empty rows.
 TOPK_SUBSET = ("test_topk_random or (test_topk_patterns and 1023) or test_topk_overflowing "
                "or test_topk_cluster_slices or test_topk_wide or test_topk_empty_and_tiny or test_sparse_topk "
-               "or test_block_topk or test_topk_tri or test_tri_")
+               "or test_block_topk or test_topk_tri or test_tri_ or test_topk_split_mode "
+               "or (test_topk_split and split4 and sampled and not seams and not unrepresentative) "
+               "or (test_topk_split_seams and split8 and 8192) or (test_topk_split_unrepresentative and split2)")
 
 
 def _pytest(args, env_extra, timeout):

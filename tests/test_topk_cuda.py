@@ -384,9 +384,8 @@ def test_topk_split_unrepresentative_sample(skew, gen, split):
 
 
 def test_topk_split_mode(gen):
-    """"auto" (the default) splits rows only where every CTA gets its own SM and the cluster kernel does not take
-    them (in the emulation, which reports two SMs: one row of W_STREAM columns, two CTAs); every mode gives the
-    same bits."""
+    """Every mode gives the same bits, each forced size reaches the split kernel, "off" never does, and on a GPU
+    "auto" (the default) splits one row, but not a batch of as many rows as SMs."""
     with pytest.raises(ValueError, match="mode"):
         ct.set_split_mode("16")
     W, k = W_STREAM, min(2048, MAXK)
@@ -398,10 +397,22 @@ def test_topk_split_mode(gen):
         outs = {}
         for mode in ct.SPLIT_MODES:
             assert ct.set_split_mode(mode) in ct.SPLIT_MODES
+            n0 = ct.split_launches()
             outs[mode], ref = _run_topk(x, lens, k)
             _assert_same(outs[mode], ref, f"split mode {mode}")
+            split_ran = ct.split_launches() > n0
+            if mode != "auto":
+                assert split_ran == (mode != "off"), mode
+            elif not EMU:
+                assert split_ran, "auto: one row of a long width on a GPU"
         for mode in ct.SPLIT_MODES:
             testing.assert_bitwise_equal(outs[mode], outs["off"])
+        ct.set_split_mode("auto")
+        n0 = ct.split_launches()
+        R = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else int(
+            os.environ.get("TSI_EMU_SMS", "2"))
+        _run_topk(torch.randn(R, W, generator=gen).to(DEV), torch.full((R,), W, dtype=torch.int32, device=DEV), k)
+        assert ct.split_launches() == n0, "auto: a batch of SMs rows"
     finally:
         ct.set_split_mode(prev)
 
@@ -506,7 +517,8 @@ def test_sparse_topk_unordered_lists(nb_width, disorder, gen):
         blocks[r] = blocks[r][perm]
         if disorder == "duplicated":
             blocks[r, nb // 2:] = blocks[r, : nb - nb // 2]
-    x = x + torch.arange(x.numel(), dtype=torch.float32).view_as(x) * 1e-3  # distinct scores
+    # distinct scores: integers below 2^24 (x + arange * 1e-3 rounded two of them to one float: run 120)
+    x = torch.randperm(x.numel(), generator=gen).to(torch.float32).view_as(x)
     for k in sorted({1, 37, min(2048, MAXK)}):
         a, b = _run_sparse(x.to(DEV), blocks.to(DEV), cbs, lens.to(DEV), k)
         a = a.cpu()
@@ -628,7 +640,7 @@ def test_sparse_topk_tri_ties(dtype, pattern, disorder, gen, tri_always):
     if disorder == "shuffled":
         for r in range(blocks.shape[0]):
             blocks[r] = blocks[r][torch.randperm(nb, generator=gen)]
-        x = x + torch.arange(x.numel(), dtype=torch.float32).view_as(x) * 1e-3
+        x = torch.randperm(x.numel(), generator=gen).to(torch.float32).view_as(x)  # distinct scores
     else:
         x = torch.where(valid, _tri_pattern(pattern, 4, nb * cbs, gen), x)
     a, b = _expect_tri(lambda: _run_sparse(x.to(dtype).to(DEV), blocks.to(DEV), cbs, lens.to(DEV), TRI_MAXK))

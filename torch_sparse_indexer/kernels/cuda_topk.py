@@ -38,9 +38,11 @@ def _declare(lib: ctypes.CDLL) -> None:
               lib.tsi_topk_smem_keys, lib.tsi_topk_cand_cap, lib.tsi_topk_cluster_max, lib.tsi_topk_set_cluster_mode,
               lib.tsi_topk_set_sampled, lib.tsi_topk_set_wide_mode, lib.tsi_topk_wide_threads,
               lib.tsi_topk_set_tri_mode, lib.tsi_topk_tri_max_k, lib.tsi_topk_tri_blocks_per_sm,
-              lib.tsi_topk_tri_launches, lib.tsi_topk_set_split_mode):
+              lib.tsi_topk_tri_launches):
         f.restype = ctypes.c_int
-    lib.tsi_topk_set_split_mode.argtypes = [i32]
+    if hasattr(lib, "tsi_topk_set_split_mode"):  # (libraries before version 6, e.g. benchmarks' older builds, lack it)
+        lib.tsi_topk_set_split_mode.argtypes = [i32]
+        lib.tsi_topk_set_split_mode.restype = lib.tsi_topk_split_launches.restype = ctypes.c_int
     lib.tsi_topk_set_tri_mode.argtypes = [i32]
     lib.tsi_topk_set_cluster_mode.argtypes = [i32]
     lib.tsi_topk_set_wide_mode.argtypes = [i32]
@@ -106,15 +108,21 @@ SPLIT_MODES = ("off", "auto", "2", "4", "8")
 def set_split_mode(mode: str) -> str:
     """Whether dense ``topk`` rows longer than ``smem_keys`` are streamed by a cluster of CTAs, each reading its
     slice of the row after a shared sample's threshold (one CTA then selects among every CTA's buffered
-    candidates): ``"auto"`` (the default: batches of fewer rows than SMs that the cluster kernel does not take,
-    with the most CTAs per row, up to 8, that keep one CTA per SM), ``"off"``, or ``"2"`` / ``"4"`` / ``"8"`` CTAs
-    per row for every such launch, ahead of the cluster kernel. Results are identical in every mode. Returns the
-    previous mode. For benchmarks and tests that compare the paths."""
+    candidates): ``"auto"`` (the default: batches of at most SMs / 4 rows, with the most CTAs per row, 8, 4 or 2,
+    whose clusters all fit on the GPU at once, keeping slices of at least ``smem_keys`` columns), ``"off"``, or
+    ``"2"`` / ``"4"`` / ``"8"`` CTAs per row for every such launch. Split rows take precedence over the cluster
+    kernel. Results are identical in every mode. Returns the previous mode ("off" for a library without the
+    kernel). For benchmarks and tests that compare the paths."""
     if mode not in SPLIT_MODES:
         raise ValueError(f"mode: expected one of {SPLIT_MODES}, got {mode!r}")
-    if not available():
-        return "auto"
+    if not available() or not hasattr(_LIB.lib, "tsi_topk_set_split_mode"):
+        return "off"
     return SPLIT_MODES[_LIB.lib.tsi_topk_set_split_mode(SPLIT_MODES.index(mode))]
+
+
+def split_launches() -> int:
+    """Launches of the split kernel so far in this process (tests check that a mode reaches it)."""
+    return int(_LIB.lib.tsi_topk_split_launches()) if available() and hasattr(_LIB.lib, "tsi_topk_split_launches") else 0
 
 
 WIDE_MODES = ("off", "auto", "always")
