@@ -1719,17 +1719,79 @@ __device__ __forceinline__ bool sampled_batch(Smem& sm, const Src& src, const Ra
   return go_on;
 }
 
-// sampled_mode's first step: the threshold tau from a sample of src's row (TILES tiles spread over it), while
-// L2 fetches the head of pre's columns (the columns the pass reads first: the row's head, or a split CTA's slice).
-// False where the row is too short to sample or the sample holds too few keys (the caller takes another path).
-// Leaves hist zero.
-template <class Src, class Pre>
-__device__ __forceinline__ bool sampled_threshold(Smem& sm, const Src& src, const Pre& pre, int kk, int prefetch_bytes, uint32_t& tau) {
+// sampled_mode for one CTA per row, and for a split CTA (topk_split_kernel below): its slice, rank and cluster size.
+struct NoSplit {
+  static constexpr bool ON = false;
+};
+template <class Slice>
+struct SplitPart {
+  static constexpr bool ON = true;
+  Slice slice;  // the CTA's columns (its index() gives the row's columns)
+  int q, C;
+};
+template <class Src, class Split>
+__device__ __forceinline__ const auto& pass_src(const Src& src, const Split& sp) {
+  if constexpr (Split::ON)
+    return sp.slice;
+  else
+    return src;
+}
+
+// After a split CTA's pass (cnt: what it buffered, counted past CAND_CAP where it stopped; ctl[6]: its largest
+// key): the CTAs exchange their counts, and where the union is usable (every buffer complete, kk <= total <=
+// CAND_CAP) each pushes its buffer into rank 0's, after the buffers of the ranks before it (remote stores: no CTA
+// waits on another's loads), in rank order, so the union is in index order wherever each buffer is; rank 0's
+// ctl[6] becomes the union's largest key. Every CTA reads the same counts, so every CTA decides the same; every
+// CTA must call it. Returns, in rank 0, the union's count (CAND_CAP + 1 where it is not usable). Ends with the
+// cluster barrier after which no CTA touches another's shared memory.
+__device__ uint32_t split_union(Smem& sm, uint32_t cnt, int kk, int q, int C) {
+  if (threadIdx.x == 0) sm.ctl[5] = cnt;
+  tsi_cluster_sync();
+  uint32_t total = 0u, base = 0u;
+  bool ok = true;
+  for (int r = 0; r < C; ++r) {
+    const uint32_t c = *tsi_cluster_map(&sm.ctl[5], (unsigned)r);
+    ok = ok && c <= (uint32_t)CAND_CAP;
+    const uint32_t cc = c <= (uint32_t)CAND_CAP ? c : (uint32_t)CAND_CAP + 1u;
+    if (r < q) base += cc;
+    total += cc;
+  }
+  ok = ok && total >= (uint32_t)kk && total <= (uint32_t)CAND_CAP;
+  uint32_t* candK = sm.region;
+  uint32_t* candI = sm.region + CAND_CAP;
+  if (ok && q != 0) {
+    uint32_t* dk = tsi_cluster_map(candK, 0u) + base;
+    uint32_t* di = tsi_cluster_map(candI, 0u) + base;
+    for (uint32_t i = threadIdx.x; i < cnt; i += THREADS) {
+      dk[i] = candK[i];
+      di[i] = candI[i];
+    }
+  }
+  if (q == 0) {
+    uint32_t mx = 0u;
+    for (int r = 0; r < C; ++r) {
+      const uint32_t m = *tsi_cluster_map(&sm.ctl[6], (unsigned)r);
+      mx = m > mx ? m : mx;
+    }
+    __syncthreads();  // every thread has read ctl[6] before thread 0 rewrites it
+    if (threadIdx.x == 0) sm.ctl[6] = mx;
+  }
+  tsi_cluster_sync();  // the last access to another CTA's shared memory: CTAs may exit after this
+  return ok ? total : (uint32_t)CAND_CAP + 1u;
+}
+
+template <int U, int UB, class Src, class Split = NoSplit>
+__device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, int prefetch_bytes,
+                             const Split& sp = Split()) {
+  static_assert(U * THREADS * Src::E < 65536, "batch counts");
   using S = Sample<Src>;
   const int n = src.items();
   const int ntiles = (n + THREADS - 1) / THREADS;
   if (ntiles < 2 * S::TILES) return false;
   uint32_t* candK = sm.region;
+  uint32_t* candI = sm.region + CAND_CAP;
+  uint32_t* G = sm.region + 2 * CAND_CAP;
+  uint32_t* Q = G + LIST_CAP;
   TSI_MARK(0);
   clear_hist(sm);
   if (threadIdx.x == 0) sm.ctl[4] = 0u;
@@ -1742,7 +1804,10 @@ __device__ __forceinline__ bool sampled_threshold(Smem& sm, const Src& src, cons
   // The head of the row, on its way to L2 while the sample and its threshold take their few microseconds (HBM
   // otherwise idle then, at one row per SM): the pass starts on it. (Prefetching ahead of the pass all along,
   // one or more 64 KB batches ahead, was slower: NOTES.md, run 76.)
-  if constexpr (Pre::KIND == DENSE) pre.ch.prefetch_l2(prefetch_bytes);
+  if constexpr (Split::ON)
+    sp.slice.ch.prefetch_l2(prefetch_bytes);  // (a split CTA's pass starts on its slice)
+  else if constexpr (Src::KIND == DENSE)
+    src.ch.prefetch_l2(prefetch_bytes);
 #pragma unroll
   for (int s = 0; s < S::TILES; ++s) {
     const int c = (int)(((2LL * s + 1) * ntiles) / (2 * S::TILES)) * THREADS + (int)threadIdx.x;
@@ -1760,20 +1825,9 @@ __device__ __forceinline__ bool sampled_threshold(Smem& sm, const Src& src, cons
   int j = (target_count(kk, CAND_CAP) * (S::TILES * S::ITEMS) + n - 1) / n;
   j = j < 1 ? 1 : j;
   if (j > sv) return false;
-  tau = sample_tau(sm, candK, sv, (uint32_t)j);
+  const uint32_t tau = sample_tau(sm, candK, sv, (uint32_t)j);
   TSI_MARK(25);
-  return true;
-}
-
-// sampled_mode's pass: every element of src with key >= tau to the buffer (keys at region[0, CAND_CAP), element
-// indices src.index() at region[CAND_CAP, 2 * CAND_CAP)), in any order where `bitmap` (then the bitmaps G and Q
-// of W words past the buffer are cleared for the selection), else in index order. Returns how many elements
-// passed, counted past CAND_CAP where the pass stopped early (the buffer then holds CAND_CAP of them); ctl[6] =
-// the largest buffered key. Ends with a barrier.
-template <int U, int UB, class Src>
-__device__ __forceinline__ uint32_t sampled_pass(Smem& sm, int& par, const Src& src, uint32_t tau, bool bitmap, int W) {
-  uint32_t* G = sm.region + 2 * CAND_CAP;
-  uint32_t* Q = G + LIST_CAP;
+  if constexpr (TSI_TOPK_STOP == 1) return true;
   // Dense rows and a positive threshold (the common case): the cheap bit test of DenseSrc::pos_mask, keys
   // computed only for the elements that pass (a loop over the set bits: about 3% of them). Other rows and
   // thresholds: keys computed for every element, as in stream_mode. (Buffering positions only and reading
@@ -1781,39 +1835,37 @@ __device__ __forceinline__ uint32_t sampled_pass(Smem& sm, int& par, const Src& 
   // evicted from L2 by then.)
   bool fast = false;
   if constexpr (Src::KIND == DENSE) fast = tau > 0x80000000u;
+  const bool bitmap = src.m <= BITMAP_ELEMS;
+  const int W = (src.m + 31) >> 5;
   if (threadIdx.x == 0) sm.ctl[4] = sm.ctl[6] = 0u;
   if (bitmap)
     for (int w = threadIdx.x; w < W; w += THREADS) G[w] = Q[w] = 0u;
   __syncthreads();
   TSI_MARK(2);
+  int par = 0;
   uint32_t run = 0u, mx = 0u;  // mx: the largest key buffered by this thread
+  const auto& ps = pass_src(src, sp);  // the row, or a split CTA's slice
   if (bitmap) {
-    stream_while<UB, false>(src, [&](const Raw (&cur)[UB], int base) {
-      return sampled_batch<UB, true>(sm, src, cur, base, fast, tau, par, run, mx);
+    stream_while<UB, false>(ps, [&](const Raw (&cur)[UB], int base) {
+      return sampled_batch<UB, true>(sm, ps, cur, base, fast, tau, par, run, mx);
     });
   } else {
-    stream_while<U, false>(src, [&](const Raw (&cur)[U], int base) {
-      return sampled_batch<U, false>(sm, src, cur, base, fast, tau, par, run, mx);
+    stream_while<U, false>(ps, [&](const Raw (&cur)[U], int base) {
+      return sampled_batch<U, false>(sm, ps, cur, base, fast, tau, par, run, mx);
     });
   }
   mx = __reduce_max_sync(FULL, mx);  // the pass stops warp-uniformly
   if ((threadIdx.x & 31) == 0 && mx != 0u) atomicMax(&sm.ctl[6], mx);
   __syncthreads();
   TSI_MARK(3);
-  return bitmap ? sm.ctl[4] : run;
-}
-
-// sampled_mode's selection: the exact top kk of the c buffered elements (kk <= c <= CAND_CAP: every element with
-// key >= tau, the largest ctl[6]; element indices of src's row) written to out as src.pos() in index order, -1
-// padded where c < kk cannot happen. hist is zero; with `bitmap`, G and Q (src.m bits) are clear.
-template <class Src>
-__device__ __forceinline__ void sampled_select(Smem& sm, int& par, const Src& src, int* out, int kk, int c, uint32_t tau,
-                                               bool bitmap) {
-  uint32_t* candK = sm.region;
-  uint32_t* candI = sm.region + CAND_CAP;
-  uint32_t* G = sm.region + 2 * CAND_CAP;
-  uint32_t* Q = G + LIST_CAP;
-  const int W = (src.m + 31) >> 5;
+  if constexpr (TSI_TOPK_STOP == 2) return true;
+  uint32_t cnt = bitmap ? sm.ctl[4] : run;
+  if constexpr (Split::ON) {
+    cnt = split_union(sm, cnt, kk, sp.q, sp.C);
+    if (sp.q != 0) return true;
+  }
+  if (cnt < (uint32_t)kk || cnt > (uint32_t)CAND_CAP) return false;
+  const int c = (int)cnt;
   // Every buffered key lies in [tau, the largest]: a radix select on that range (sample_tau left hist zero).
   // (Counting the first digit in the pass instead, over bins sized to the sample's range, made the pass spill
   // and run 3x slower: NOTES.md, run 77.)
@@ -1821,7 +1873,7 @@ __device__ __forceinline__ void sampled_select(Smem& sm, int& par, const Src& sr
   const Thresh t = buffer_resolve(sm, candK, c, tau, sm.ctl[6], (uint32_t)kk, bitmap ? &mk : nullptr);
   __syncthreads();
   TSI_MARK(4);
-  if constexpr (TSI_TOPK_STOP == 3) return;
+  if constexpr (TSI_TOPK_STOP == 3) return true;
   if (bitmap) {
     if (!t.marked) mark_selected(G, Q, candK, candI, c, t);
     TSI_MARK(5);
@@ -1831,20 +1883,6 @@ __device__ __forceinline__ void sampled_select(Smem& sm, int& par, const Src& sr
     smem_select(sm, par, candK, c, t, [&](uint32_t rank, int i) { out[rank] = src.pos((int)candI[i]); });
   }
   TSI_MARK(6);
-}
-
-template <int U, int UB, class Src>
-__device__ bool sampled_mode(Smem& sm, const Src& src, int* out, int kk, int prefetch_bytes) {
-  static_assert(U * THREADS * Src::E < 65536, "batch counts");
-  uint32_t tau;
-  if (!sampled_threshold(sm, src, src, kk, prefetch_bytes, tau)) return false;
-  if constexpr (TSI_TOPK_STOP == 1) return true;
-  const bool bitmap = src.m <= BITMAP_ELEMS;
-  int par = 0;
-  const uint32_t cnt = sampled_pass<U, UB>(sm, par, src, tau, bitmap, (src.m + 31) >> 5);
-  if constexpr (TSI_TOPK_STOP == 2) return true;
-  if (cnt < (uint32_t)kk || cnt > (uint32_t)CAND_CAP) return false;
-  sampled_select(sm, par, src, out, kk, (int)cnt, tau, bitmap);
   return true;
 }
 
@@ -2138,65 +2176,18 @@ __global__ void __launch_bounds__(THREADS, 1) topk_split_kernel(Params p, int S,
   const Src src(p, row);  // the whole row: the sample, and rank 0's selection
   int* out = p.out + (long long)row * p.kk;
   const int kk = p.kk;
-  uint32_t tau = 0u;
-  const bool split = src.m > kk && src.m > SMEM_KEYS && p.sampled;
-  if (!split || !sampled_threshold(sm, src, DenseSliceSrc<T>(p, row, q, S), kk, p.prefetch_bytes, tau)) {
-    if (q != 0) return;
-    if (dense_all_valid(src, out, kk)) return;
-    if (src.m <= SMEM_KEYS) {
-      smem_mode<U>(sm, src, out, kk);
-    } else {
-      __syncthreads();
-      stream_mode<U>(sm, src, out, kk);
-    }
+  if (src.m > kk && src.m > SMEM_KEYS && p.sampled &&
+      sampled_mode<U, UB>(sm, src, out, kk, p.prefetch_bytes,
+                          SplitPart<DenseSliceSrc<T>>{DenseSliceSrc<T>(p, row, q, S), q, C}))
+    return;
+  if (q != 0) return;  // (every CTA returned false before the first cluster barrier, or rank 0 after the last)
+  if (dense_all_valid(src, out, kk)) return;
+  if (src.m <= SMEM_KEYS) {
+    smem_mode<U>(sm, src, out, kk);
     return;
   }
-  const bool bitmap = src.m <= BITMAP_ELEMS;
-  int par = 0;
-  const uint32_t cnt = sampled_pass<U, UB>(sm, par, DenseSliceSrc<T>(p, row, q, S), tau, bitmap,
-                                           q == 0 ? (src.m + 31) >> 5 : 0);
-  if (threadIdx.x == 0) sm.ctl[5] = cnt;  // (ctl[6]: the largest key this CTA buffered)
-  tsi_cluster_sync();
-  // Every CTA reads the same counts, so every CTA decides the same. Each pushes its buffer into rank 0's after the
-  // buffers of the ranks before it (remote stores: no CTA waits on another's loads), which the barrier below
-  // makes visible to rank 0.
-  uint32_t total = 0u, base = 0u;
-  bool ok = true;
-  for (int r = 0; r < C; ++r) {
-    const uint32_t c = *tsi_cluster_map(&sm.ctl[5], (unsigned)r);
-    ok = ok && c <= (uint32_t)CAND_CAP;
-    const uint32_t cc = c <= (uint32_t)CAND_CAP ? c : (uint32_t)CAND_CAP + 1u;
-    if (r < q) base += cc;
-    total += cc;
-  }
-  ok = ok && total >= (uint32_t)kk && total <= (uint32_t)CAND_CAP;
-  uint32_t* candK = sm.region;
-  uint32_t* candI = sm.region + CAND_CAP;
-  if (ok && q != 0) {
-    uint32_t* dk = tsi_cluster_map(candK, 0u) + base;
-    uint32_t* di = tsi_cluster_map(candI, 0u) + base;
-    for (uint32_t i = threadIdx.x; i < cnt; i += THREADS) {
-      dk[i] = candK[i];
-      di[i] = candI[i];
-    }
-  }
-  if (q == 0) {
-    uint32_t mx = 0u;
-    for (int r = 0; r < C; ++r) {
-      const uint32_t m = *tsi_cluster_map(&sm.ctl[6], (unsigned)r);
-      mx = m > mx ? m : mx;
-    }
-    __syncthreads();  // every thread has read ctl[6] before thread 0 rewrites it
-    if (threadIdx.x == 0) sm.ctl[6] = mx;
-  }
-  tsi_cluster_sync();  // the last access to another CTA's shared memory: CTAs may exit after this
-  if (q != 0) return;
   __syncthreads();
-  if (ok) {
-    sampled_select(sm, par, src, out, kk, (int)total, tau, bitmap);
-  } else {
-    stream_mode<U>(sm, src, out, kk);
-  }
+  stream_mode<U>(sm, src, out, kk);
 }
 
 // ------------------------------------------------------------------------------------------------
