@@ -142,8 +142,9 @@ cudaError_t launch_dense(const Params& p, cudaStream_t stream, int dev) {
 int g_cluster_mode = 1;
 
 // Cluster size and slice width for `rows` dense rows of `width` columns; C = 0 for the one-CTA kernel.
-// Auto: clusters while all of them fit on the SMs at one CTA each (rows * C <= SMs). Measured on the H200
-// against the one-CTA kernel with the sampled threshold (NOTES.md): 1 x 128K 26 vs 37 us and 8 x 128K 30 vs
+// Auto: clusters while all of them fit on the SMs at one CTA each (rows * C <= SMs), for rows the split kernel does
+// not take (tsi_topk asks split_shape first: since session 28 that leaves small batches of widths below
+// 2 x smem_keys, or GPUs where the resident-cluster query fails). Measured on the H200 against the one-CTA kernel with the sampled threshold (NOTES.md): 1 x 128K 26 vs 37 us and 8 x 128K 30 vs
 // 37 us, but 32 x 128K 53 vs 38 us and 128 x 128K 151 vs 45 us, where a slice's shared-memory passes and
 // cluster barriers cost more than the one-CTA kernel's single streamed read.
 void cluster_shape(int rows, int width, int dev, int* C, int* S) {
@@ -236,9 +237,10 @@ int split_clusters(int dev, int C) {
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     if (split_attrs(dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveClusters(&n, tsi_wide::topk_split_kernel<float>, &cfg) != cudaSuccess || n < 0)
+        cudaOccupancyMaxActiveClusters(&n, tsi_wide::topk_split_kernel<float>, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // a failed query must not be reported by the next launch: it only disables auto
       n = 0;
-    (void)cudaGetLastError();  // a failed query must not be reported by the next launch
+    }
     cache[dev][i] = n > 0 ? n : -1;
   }
   return cache[dev][i] > 0 ? cache[dev][i] : 0;
@@ -250,7 +252,7 @@ int split_clusters(int dev, int C) {
 
 // Cluster size and slice width of the split kernel for `rows` dense rows of `width` columns; C = 0: not split.
 // Auto: batches of at most SMs / 4 rows (past that, one CTA per row already streams the batch at a good share of
-// HBM bandwidth: 48 and 64 rows x 128K were 2-9% slower split in two on an H100, NOTES.md "Session 28"), with the
+// HBM bandwidth: 48 and 64 rows x 128K were 2% and 10% slower split in two on an H100, NOTES.md "Session 28"), with the
 // most CTAs per row (8, 4 or 2) whose clusters all fit on the GPU at once and whose slices keep at least smem_keys
 // columns. (A cluster size whose clusters do not all fit runs a second wave: 16 rows x 8 CTAs and 32 x 4 took
 // 1.2-1.3x the one-CTA time.)

@@ -2146,15 +2146,15 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
 
 // ------------------------------------------------------------------------------------------------
 // Split mode: dense rows streamed by a cluster of C CTAs, for batches of fewer rows than SMs (one CTA per row
-// reads its row at one SM's pace, ~30 GB/s, while most SMs idle). Every CTA takes the same sample of the whole row
+// reads its row at one SM's pace, ~36 GB/s, while most SMs idle). Every CTA takes the same sample of the whole row
 // (the same keys, so the same tau: no exchange needed), then streams its slice of S columns, buffering the elements
 // with key >= tau as sampled_mode does. The CTAs then push their buffers after rank 0's own through distributed
-// shared memory (in rank order), and rank 0 runs sampled_mode's selection on the union: every element of the row
-// with key >= tau, so it is exact whenever kk <= total <= CAND_CAP, as in sampled_mode. (Buffers in any order where the row has
-// at most BITMAP_ELEMS columns; else each slice's buffer is in index order, so the union in rank order is too.)
-// Otherwise, and for rows that do not sample (short valid lengths, two-pass mode), rank 0 selects the whole row
-// alone on the one-CTA paths. Every branch before the first cluster barrier depends only on the row's data,
-// identically in every CTA, and every CTA that passes it reaches both barriers.
+// shared memory (in rank order: split_union), and rank 0 runs sampled_mode's selection on the union: every element
+// of the row with key >= tau, so it is exact whenever kk <= total <= CAND_CAP, as in sampled_mode. (Buffers in any
+// order where the row has at most BITMAP_ELEMS columns; else each slice's buffer is in index order, so the union in
+// rank order is too.) Otherwise, and for rows that do not sample (short valid lengths, two-pass mode), rank 0
+// selects the whole row alone on the one-CTA paths. Every branch before the first cluster barrier depends only on
+// the row's data, identically in every CTA, and every CTA that passes it reaches both barriers.
 // ------------------------------------------------------------------------------------------------
 
 // A slice of the row whose buffered element indices are the row's columns (DenseSrc's index() is the slice's).
