@@ -157,6 +157,25 @@ void cluster_shape(int rows, int width, int dev, int* C, int* S) {
   *S = (((width + c - 1) / c) + 31) & ~31;  // <= SMEM_KEYS (a multiple of 32: the K layout's zero fill)
 }
 
+#ifndef TSI_EMULATE
+// A launch of `grid` CTAs of `threads` threads in clusters of C (attr: the caller's storage for the cluster attribute).
+cudaLaunchConfig_t cluster_config(int grid, int threads, int smem, int C, cudaStream_t stream,
+                                  cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)grid, 1, 1);
+  cfg.blockDim = dim3((unsigned)threads, 1, 1);
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = stream;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = (unsigned)C;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+#endif
+
 template <typename T>
 cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int dev, int C, int S) {
   const int smem = (int)(offsetof(tsi::Smem, region) + (size_t)(S + tsi::NBINS) * 4);
@@ -169,18 +188,8 @@ cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int dev, int C,
     if (e != cudaSuccess) return e;
     done[dev] = true;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(p.rows * C), 1, 1);
-  cfg.blockDim = dim3(tsi::THREADS, 1, 1);
-  cfg.dynamicSmemBytes = (size_t)smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)C;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_config(p.rows * C, tsi::THREADS, smem, C, stream, &attr);
   const cudaError_t e = cudaLaunchKernelEx(&cfg, tsi::topk_cluster_kernel<T>, p, S, C);
   return e != cudaSuccess ? e : cudaGetLastError();
 #else
@@ -225,17 +234,8 @@ int split_clusters(int dev, int C) {
   const int i = C == 2 ? 1 : (C == 4 ? 2 : 3);
   if (cache[dev][i] == 0) {
     int n = 0;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)C, 1, 1);
-    cfg.blockDim = dim3(tsi_wide::THREADS, 1, 1);
-    cfg.dynamicSmemBytes = (size_t)kSplitSmem;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = (unsigned)C;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cluster_config(C, tsi_wide::THREADS, kSplitSmem, C, nullptr, &attr);
     if (split_attrs(dev) != cudaSuccess ||
         cudaOccupancyMaxActiveClusters(&n, tsi_wide::topk_split_kernel<float>, &cfg) != cudaSuccess) {
       (void)cudaGetLastError();  // a failed query must not be reported by the next launch: it only disables auto
@@ -281,18 +281,8 @@ cudaError_t launch_split(const Params& p_in, cudaStream_t stream, int dev, int C
   if (cudaError_t e = split_attrs(dev); e != cudaSuccess) return e;
   ++g_split_launches;
 #ifndef TSI_EMULATE
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(p.rows * C), 1, 1);
-  cfg.blockDim = dim3(tsi_wide::THREADS, 1, 1);
-  cfg.dynamicSmemBytes = (size_t)kSplitSmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)C;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_config(p.rows * C, tsi_wide::THREADS, kSplitSmem, C, stream, &attr);
   const cudaError_t e = cudaLaunchKernelEx(&cfg, tsi_wide::topk_split_kernel<Elem>, p, S, C);
   return e != cudaSuccess ? e : cudaGetLastError();
 #else

@@ -383,38 +383,45 @@ def test_topk_split_unrepresentative_sample(skew, gen, split):
         _assert_same(a, b, f"split{split} unrepresentative sample {skew} k={k}")
 
 
+def _each_mode(set_mode, modes, gen, launches=None):
+    """One row of W_STREAM columns through every mode of a path switch (set_mode: a cuda_topk setter), each checked
+    against the reference; returns {mode: output} and, with ``launches`` (a launch counter), {mode: whether the
+    call launched that kernel}. Restores the mode it found."""
+    W, k = W_STREAM, min(2048, MAXK)
+    x = torch.randn(1, W, generator=gen).to(DEV)
+    lens = torch.tensor([W - 11], dtype=torch.int32, device=DEV)
+    prev = set_mode(modes[0])
+    outs, ran = {}, {}
+    try:
+        for mode in modes:
+            assert set_mode(mode) in modes
+            n0 = launches() if launches else 0
+            outs[mode], ref = _run_topk(x, lens, k)
+            _assert_same(outs[mode], ref, f"mode {mode}")
+            ran[mode] = launches() > n0 if launches else None
+    finally:
+        set_mode(prev)
+    return prev, outs, ran
+
+
 def test_topk_split_mode(gen):
     """Every mode gives the same bits, each forced size reaches the split kernel, "off" never does, and on a GPU
     "auto" (the default) splits one row, but not a batch of as many rows as SMs."""
     with pytest.raises(ValueError, match="mode"):
         ct.set_split_mode("16")
-    W, k = W_STREAM, min(2048, MAXK)
-    x = torch.randn(1, W, generator=gen).to(DEV)
-    lens = torch.tensor([W - 11], dtype=torch.int32, device=DEV)
-    prev = ct.set_split_mode("off")
+    prev, outs, ran = _each_mode(ct.set_split_mode, ct.SPLIT_MODES, gen, ct.split_launches)
     assert prev == "auto"
-    try:
-        outs = {}
-        for mode in ct.SPLIT_MODES:
-            assert ct.set_split_mode(mode) in ct.SPLIT_MODES
-            n0 = ct.split_launches()
-            outs[mode], ref = _run_topk(x, lens, k)
-            _assert_same(outs[mode], ref, f"split mode {mode}")
-            split_ran = ct.split_launches() > n0
-            if mode != "auto":
-                assert split_ran == (mode != "off"), mode
-            elif not EMU:
-                assert split_ran, "auto: one row of a long width on a GPU"
-        for mode in ct.SPLIT_MODES:
-            testing.assert_bitwise_equal(outs[mode], outs["off"])
-        ct.set_split_mode("auto")
-        n0 = ct.split_launches()
-        R = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else int(
-            os.environ.get("TSI_EMU_SMS", "2"))
-        _run_topk(torch.randn(R, W, generator=gen).to(DEV), torch.full((R,), W, dtype=torch.int32, device=DEV), k)
-        assert ct.split_launches() == n0, "auto: a batch of SMs rows"
-    finally:
-        ct.set_split_mode(prev)
+    for mode in ct.SPLIT_MODES:
+        testing.assert_bitwise_equal(outs[mode], outs["off"])
+        if mode != "auto":
+            assert ran[mode] == (mode != "off"), mode
+    assert ran["auto"] or EMU, "auto: one row of a long width on a GPU"
+    R = torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else int(
+        os.environ.get("TSI_EMU_SMS", "2"))
+    n0 = ct.split_launches()
+    _run_topk(torch.randn(R, W_STREAM, generator=gen).to(DEV),
+              torch.full((R,), W_STREAM, dtype=torch.int32, device=DEV), min(2048, MAXK))
+    assert ct.split_launches() == n0, "auto: a batch of SMs rows"
 
 
 def test_topk_wide_mode(gen):
@@ -422,20 +429,9 @@ def test_topk_wide_mode(gen):
     emulation, which reports two SMs); every mode gives the same bits."""
     with pytest.raises(ValueError, match="mode"):
         ct.set_wide_mode("on")
-    W, k = W_STREAM, min(2048, MAXK)
-    x = torch.randn(1, W, generator=gen).to(DEV)
-    lens = torch.tensor([W - 11], dtype=torch.int32, device=DEV)
-    prev = ct.set_wide_mode("off")
+    prev, outs, _ = _each_mode(ct.set_wide_mode, ct.WIDE_MODES, gen)
     assert prev == "auto"
-    try:
-        outs = {}
-        for mode in ct.WIDE_MODES:
-            assert ct.set_wide_mode(mode) in ct.WIDE_MODES
-            outs[mode], ref = _run_topk(x, lens, k)
-            _assert_same(outs[mode], ref, f"wide mode {mode}")
-        testing.assert_bitwise_equal(outs["auto"], outs["off"])
-    finally:
-        ct.set_wide_mode(prev)
+    testing.assert_bitwise_equal(outs["auto"], outs["off"])
 
 
 def test_topk_empty_and_tiny(gen):
