@@ -144,9 +144,10 @@ int g_cluster_mode = 1;
 // Cluster size and slice width for `rows` dense rows of `width` columns; C = 0 for the one-CTA kernel.
 // Auto: clusters while all of them fit on the SMs at one CTA each (rows * C <= SMs), for rows the split kernel does
 // not take (tsi_topk asks split_shape first: since session 28 that leaves small batches of widths below
-// 2 x smem_keys, or GPUs where the resident-cluster query fails). Measured on the H200 against the one-CTA kernel with the sampled threshold (NOTES.md): 1 x 128K 26 vs 37 us and 8 x 128K 30 vs
-// 37 us, but 32 x 128K 53 vs 38 us and 128 x 128K 151 vs 45 us, where a slice's shared-memory passes and
-// cluster barriers cost more than the one-CTA kernel's single streamed read.
+// 2 x smem_keys, or GPUs where the resident-cluster query fails). Measured on the H200 against the one-CTA kernel
+// with the sampled threshold (NOTES.md): 1 x 128K 26 vs 37 us and 8 x 128K 30 vs 37 us, but 32 x 128K 53 vs 38 us
+// and 128 x 128K 151 vs 45 us, where a slice's shared-memory passes and cluster barriers cost more than the one-CTA
+// kernel's single streamed read.
 void cluster_shape(int rows, int width, int dev, int* C, int* S) {
   *C = 0;
   *S = 0;

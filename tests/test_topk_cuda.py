@@ -252,18 +252,10 @@ def test_topk_cluster_slices(W, pattern, gen, cluster_always):
         testing.assert_bitwise_equal(c, a)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("skew", ["ascending", "descending", "hot_quarter", "hot_sparse", "hot_few", "lengths"])
-@pytest.mark.parametrize("W", [W_SMEM, W_BITMAP, W_STREAM])
-def test_topk_unrepresentative_sample(dtype, skew, W, gen, sampled):
-    """Streamed rows whose sample (tiles spread over the row) misjudges the threshold: far too low (more
-    than cand_cap elements above it: the pass stops and the two-pass path runs), far too high (fewer
-    than k above it), or drawn from mostly invalid columns; rows on both sides of the bitmap limit, and
-    shared-memory rows, which never sample. hot_few: 20 winners far above everything the sample saw, so that
-    the buffer's key range (which its first digit spans) is ~50x the bulk's: for k <= 20 the k-th best is one
-    of the winners, for k = 21 the best of the bulk, a few wide bins below them. Exact either way."""
-    R = 4
-    x = torch.randn(R, W, generator=gen)
+def _skewed_rows(skew, W, gen):
+    """Four rows of W columns and their lengths whose sample (tiles spread over the row) misjudges the threshold:
+    see test_topk_unrepresentative_sample."""
+    x = torch.randn(4, W, generator=gen)
     lens = torch.tensor([W, W - 17, W // 2 + 3, SMEM_KEYS + 9], dtype=torch.int32)
     if skew == "ascending":
         x = x * 0.01 + torch.linspace(0, 100, W)
@@ -277,6 +269,20 @@ def test_topk_unrepresentative_sample(dtype, skew, W, gen, sampled):
         x[:, 5:5 + 37 * 20:37] += 100
     else:  # most sampled columns past the row's length
         lens = torch.tensor([W // 5, W // 3, SMEM_KEYS + 1, W // 4 + 1], dtype=torch.int32)
+    return x, lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("skew", ["ascending", "descending", "hot_quarter", "hot_sparse", "hot_few", "lengths"])
+@pytest.mark.parametrize("W", [W_SMEM, W_BITMAP, W_STREAM])
+def test_topk_unrepresentative_sample(dtype, skew, W, gen, sampled):
+    """Streamed rows whose sample (tiles spread over the row) misjudges the threshold: far too low (more
+    than cand_cap elements above it: the pass stops and the two-pass path runs), far too high (fewer
+    than k above it), or drawn from mostly invalid columns; rows on both sides of the bitmap limit, and
+    shared-memory rows, which never sample. hot_few: 20 winners far above everything the sample saw, so that
+    the buffer's key range (which its first digit spans) is ~50x the bulk's: for k <= 20 the k-th best is one
+    of the winners, for k = 21 the best of the bulk, a few wide bins below them. Exact either way."""
+    x, lens = _skewed_rows(skew, W, gen)
     ks = {1, 7, 20, 21} if skew == "hot_few" else set()
     for k in sorted(ks | {1, min(512, MAXK), min(2048, MAXK), MAXK}):
         a, b = _run_topk(x.to(dtype).to(DEV), lens.to(DEV), k)
@@ -363,21 +369,7 @@ def test_topk_split_seams(pattern, W, gen, split):
 def test_topk_split_unrepresentative_sample(skew, gen, split):
     """Samples that misjudge the threshold (as test_topk_unrepresentative_sample): far too low (some CTA's buffer
     overflows), far too high (fewer than k in all buffers together), drawn from columns past the row's length."""
-    W = W_BITMAP
-    x = torch.randn(4, W, generator=gen)
-    lens = torch.tensor([W, W - 17, W // 2 + 3, SMEM_KEYS + 9], dtype=torch.int32)
-    if skew == "ascending":
-        x = x * 0.01 + torch.linspace(0, 100, W)
-    elif skew == "descending":
-        x = x * 0.01 + torch.linspace(100, 0, W)
-    elif skew == "hot_quarter":
-        x[:, W // 4 - W // 64: W // 4 + W // 64] += 50
-    elif skew == "hot_sparse":
-        x[:, 7::1013] += 100
-    elif skew == "hot_few":
-        x[:, 5:5 + 37 * 20:37] += 100
-    else:
-        lens = torch.tensor([W // 5, W // 3, SMEM_KEYS + 1, W // 4 + 1], dtype=torch.int32)
+    x, lens = _skewed_rows(skew, W_BITMAP, gen)
     for k in sorted({1, 20, 21, min(512, MAXK), MAXK}):
         a, b = _run_topk(x.to(DEV), lens.to(DEV), k)
         _assert_same(a, b, f"split{split} unrepresentative sample {skew} k={k}")

@@ -122,7 +122,9 @@ def set_split_mode(mode: str) -> str:
 
 def split_launches() -> int:
     """Launches of the split kernel so far in this process (tests check that a mode reaches it)."""
-    return int(_LIB.lib.tsi_topk_split_launches()) if available() and hasattr(_LIB.lib, "tsi_topk_split_launches") else 0
+    if not available() or not hasattr(_LIB.lib, "tsi_topk_split_launches"):
+        return 0
+    return int(_LIB.lib.tsi_topk_split_launches())
 
 
 WIDE_MODES = ("off", "auto", "always")
