@@ -10,7 +10,7 @@
 
 Each runs in a subprocess because the interpreter and the emulator are chosen when those modules are imported.
 Skipped where triton (interpreter) or g++ (emulator) is missing, and with ``TSI_SKIP_EMULATED=1`` (together they add
-a few minutes). The whole emulated top-k file takes 15-25 minutes on two cores; run it by hand with
+a few minutes). The whole emulated top-k file takes 20-30 minutes on two cores; run it by hand with
 ``TSI_TOPK_EMU=lib.so pytest tests/test_topk_cuda.py`` (``csrc/README.md``).
 """
 from __future__ import annotations
