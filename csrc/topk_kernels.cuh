@@ -1603,6 +1603,168 @@ __device__ void smem_mode(Smem& sm, const Src& src, int* out, int kk) {
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// Register rows (topk_reg_kernel): dense fp32 rows of at most SMEM_KEYS columns, 16-byte aligned, held in
+// registers: REG_J chunks of 4 keys per thread, chunk c = j * THREADS + tid (each load instruction of a warp reads
+// 512 consecutive bytes). The shared-memory rows copy the row in, convert it in place, sweep it again for the
+// threshold bin and the bitmaps, and walk the bitmaps for the output: ~23.5K warp instructions per 16K row, no
+// phase above a fifth of them (NOTES.md, run 101). Here the keys never leave registers: the coarse histogram as
+// they land; the threshold bin's keys (~1000 of 16K random scores) appended to a buffer with their next digit's
+// histogram and the threshold refined there (resolve, as smem_bitmap_select does); the output from one block scan
+// of each thread's selected counts per chunk, which is index order. A bin too large for the buffer (massive ties)
+// is refined by histograms of the registers filtered by the prefix. Shared memory holds only the histogram, the
+// buffer and the scan's scratch; two CTAs per SM, as the registers allow (64 per thread).
+// ------------------------------------------------------------------------------------------------
+constexpr int REG_J = SMEM_KEYS / (4 * THREADS);  // chunks per thread
+constexpr int REG_BIN_CAP = CAND_CAP;             // threshold-bin keys buffered
+constexpr int REG_WORDS = REG_BIN_CAP + REG_J * NWARPS;
+static_assert(REG_J >= 1 && REG_J <= 8 && REG_WORDS <= REGION_WORDS, "one 32-bit mask of a thread's keys; scratch");
+
+// Rows with nchunks <= REG_J * THREADS (the host launches only 16-byte aligned rows of width <= SMEM_KEYS: h = 0).
+template <class Src>
+__device__ void reg_rows(Smem& sm, const Src& src, int* out, int kk) {
+  static_assert(Src::KIND == DENSE && Src::E == 4, "dense fp32 rows");
+  const int tid = (int)threadIdx.x;
+  TSI_MARK(10);
+  uint32_t key[REG_J][4];
+  {
+    // The histogram is cleared before the loads are issued, so that each chunk is counted as soon as it lands.
+    clear_hist(sm);
+    if (tid == 0) sm.ctl[4] = 0u;
+    __syncthreads();
+    Raw raw[REG_J];
+#pragma unroll
+    for (int j = 0; j < REG_J; ++j) raw[j] = src.load(j * THREADS + tid);
+    // Threads whose chunks all lie inside the row (all but the last few) convert without bounds tests or sinks.
+    if (4 * ((REG_J - 1) * THREADS + tid + 1) - src.ch.h <= src.m && 4 * tid >= src.ch.h) {
+#pragma unroll
+      for (int j = 0; j < REG_J; ++j) {
+        src.elems_inside(raw[j], key[j]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) atomicAdd(&sm.hist[key[j][e] >> 21], 1u);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < REG_J; ++j) {
+        src.elems(raw[j], j * THREADS + tid, key[j]);
+        hist_keys<4>(sm, key[j], 0, 0u);
+      }
+    }
+  }
+  __syncthreads();
+  TSI_MARK(11);
+  if constexpr (TSI_TOPK_STOP == 1) return;
+  find_bin<NBINS>(sm, (uint32_t)kk);
+  TSI_MARK(12);
+  const uint32_t total = sm.ctl[3], B = sm.ctl[0], cnt = sm.ctl[2];
+  const uint32_t need = (uint32_t)kk - sm.ctl[1];
+  // Bit 4j + e of a thread's masks: key e of its chunk j is selected for being above the threshold (gm), or is
+  // equal to it (qm, only where a tie is to be broken).
+  uint32_t gm = 0u, qm = 0u, need_eq = 0u;
+  const uint32_t lo = B << 21, lo1 = lo == 0u ? 1u : lo, span = (lo | 0x1fffffu) - lo1;  // key 0: no element
+  if (total <= (uint32_t)kk || cnt == need) {  // every element, or the whole threshold bin: nothing to refine
+    const uint32_t floor = total <= (uint32_t)kk ? 1u : lo1;
+#pragma unroll
+    for (int j = 0; j < REG_J; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) gm |= (uint32_t)(key[j][e] >= floor) << (4 * j + e);
+  } else if (cnt <= (uint32_t)REG_BIN_CAP) {
+    // The bin's keys go to the buffer, each thread's in bit order from its slot o0, and their next digit's histogram
+    // is taken there; the keys above the bin are selected. The registers' keys are dead after the stores: the bin's
+    // are read back from the buffer once the threshold is known (so resolve runs without 32 live keys per thread).
+    uint32_t bm = 0u;
+#pragma unroll
+    for (int j = 0; j < REG_J; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        gm |= (uint32_t)(key[j][e] > (lo | 0x1fffffu)) << (4 * j + e);
+        bm |= (uint32_t)(key[j][e] - lo1 <= span) << (4 * j + e);
+      }
+    uint32_t* BK = sm.region;
+    uint32_t after;
+    const uint32_t o0 = warp_reserve(&sm.ctl[4], (uint32_t)__popc(bm), &after);
+    // Predicated stores at running slots, no branch per key (a branch per key cost more than the rest of the row's
+    // threshold: NOTES.md, run 126).
+    uint32_t o = o0;
+#pragma unroll
+    for (int j = 0; j < REG_J; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool in = (bm >> (4 * j + e)) & 1u;
+        if (in) BK[o] = key[j][e];
+        o += in;
+      }
+    __syncthreads();
+    smem_hist(sm, BK, (int)cnt, 11, B);
+    const Thresh t = resolve(sm, 11, B, need, [&](int L, uint32_t P) { smem_hist(sm, BK, (int)cnt, L, P); }, false,
+                             BK, (int)cnt);
+    need_eq = t.need_eq;
+    for (uint32_t o = o0; bm != 0u; ++o) {
+      const uint32_t bit = (uint32_t)__ffs((int)bm) - 1u, k1 = BK[o];
+      bm &= bm - 1u;
+      gm |= (uint32_t)is_gt(k1, t) << bit;
+      qm |= (uint32_t)is_eq(k1, t) << bit;
+    }
+  } else {  // a bin too large for the buffer (massive ties): histograms of the registers, filtered by the prefix
+    const Thresh t = resolve(
+        sm, 0, 0u, (uint32_t)kk,
+        [&](int L, uint32_t P) {
+#pragma unroll
+          for (int j = 0; j < REG_J; ++j) hist_keys<4>(sm, key[j], L, P);
+          __syncthreads();
+        },
+        true);
+    need_eq = t.need_eq;
+#pragma unroll
+    for (int j = 0; j < REG_J; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        gm |= (uint32_t)is_gt(key[j][e], t) << (4 * j + e);
+        qm |= (uint32_t)is_eq(key[j][e], t) << (4 * j + e);
+      }
+  }
+  TSI_MARK(13);
+  if constexpr (TSI_TOPK_STOP == 2) return;
+  // Counts of chunk j (above << 16 | equal), scanned in chunk order j * THREADS + tid, which is index order; a row's
+  // counts stay below 2^16 (SMEM_KEYS), so the two share one scan.
+  uint32_t c[REG_J], ex[REG_J], tot;
+#pragma unroll
+  for (int j = 0; j < REG_J; ++j)
+    c[j] = ((uint32_t)__popc((gm >> (4 * j)) & 15u) << 16) | (uint32_t)__popc((qm >> (4 * j)) & 15u);
+  block_excl_scan_multi<REG_J>(c, ex, &tot, sm.region + REG_BIN_CAP);
+  if (need_eq == 0u) {
+    // One iteration per selected key (about 4 of a thread's 32 for k = n / 8): its rank is its chunk's offset plus
+    // the selected keys before it in the chunk. (A test per key, branching, took 4 us per row: run 126.)
+    for (uint32_t m = gm; m != 0u; m &= m - 1u) {
+      const int bit = __ffs((int)m) - 1, j = bit >> 2;
+      uint32_t base = ex[0];
+#pragma unroll
+      for (int q = 1; q < REG_J; ++q) base = j == q ? ex[q] : base;
+      const uint32_t r = (base >> 16) + (uint32_t)__popc(gm & ((1u << bit) - 1u) & (0xfu << (4 * j)));
+      out[r] = src.pos(src.index(j * THREADS + tid, bit & 3));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < REG_J; ++j) {
+      if (c[j] == 0u) continue;
+      const int ch = j * THREADS + tid;
+      uint32_t gt = ex[j] >> 16, eq = ex[j] & 0xffffu;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if ((gm >> (4 * j + e)) & 1u) {
+          out[gt + (eq < need_eq ? eq : need_eq)] = src.pos(src.index(ch, e));
+          ++gt;
+        } else if ((qm >> (4 * j + e)) & 1u) {
+          if (eq < need_eq) out[gt + eq] = src.pos(src.index(ch, e));
+          ++eq;
+        }
+      }
+    }
+  }
+  if (total < (uint32_t)kk) pad_out(out, (int)total, kk);
+  TSI_MARK(14);
+}
+
 // Sampled threshold (streamed rows): one read of the row instead of two, and no histogram atomics over
 // the whole row (shared-memory atomics of a whole row's histogram, which many lanes of a warp aim at the
 // same few bins, bound the two-pass path more than HBM did: NOTES.md). A sample of the row (TILES tiles
@@ -2142,6 +2304,20 @@ __global__ void __launch_bounds__(THREADS, MINB) topk_kernel(Params p) {
     stream_mode<U>(sm, src, out, kk);
   }
   if (Src::KIND == SPARSE) sort_positions_if_unordered(sm, out, kk);
+}
+
+// Dense fp32 rows, 16-byte aligned, of width <= SMEM_KEYS (the host's condition: see g_reg_mode in topk.cu), in
+// registers (reg_rows). Dynamic shared memory: the Smem header and REG_WORDS words of its region.
+template <class Src>
+__global__ void __launch_bounds__(THREADS, 2) topk_reg_kernel(Params p) {
+  TSI_DYN_SMEM(smem_raw);
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  TSI_SPAN;
+  const int row = blockIdx.x;
+  Src src(p, row);
+  int* out = p.out + (long long)row * p.kk;
+  if (dense_all_valid(src, out, p.kk)) return;
+  reg_rows(sm, src, out, p.kk);
 }
 
 // ------------------------------------------------------------------------------------------------
