@@ -50,8 +50,6 @@ DECODE_ONLY = TARGETS_ONLY and os.environ.get("TSI_BENCH_TOPK_DECODE", "0") == "
 SMEM_ONLY = TARGETS_ONLY and os.environ.get("TSI_BENCH_TOPK_SMEM", "0") == "1"
 # Only the small decode batches (1 .. 64 rows of 128K), on every path (the split kernel's range).
 SMALL_ONLY = os.environ.get("TSI_BENCH_TOPK_SMALL", "0") == "1"
-# Only the rows the register kernel takes (fp32, width <= smem_keys), at several k, on it and on the shared-memory path.
-REG_ONLY = os.environ.get("TSI_BENCH_TOPK_REG", "0") == "1"
 
 
 def _lengths(R, W, gen):
@@ -196,8 +194,6 @@ def _topk_case(R, W, k, dtype, gen, pattern=None):
     if W > t["smem_keys"] and R < sms:  # the split kernel at each cluster size, and the default without it
         alts += [("cuda no split", dict(split="off"))]
         alts += [(f"cuda split {c}", dict(split=str(c))) for c in (2, 4, 8) if R * c <= 2 * sms]
-    if W <= t["smem_keys"] and dtype == torch.float32:  # the register kernel's rows (default), and without it
-        alts += [("cuda shared-memory rows", dict(reg="off"))]
     alts += _tri_alts(W, k)
     cuda = rows[0]
     if pattern is None:  # target shapes too: the public baseline is part of what the issue asks to report
@@ -208,7 +204,7 @@ def _topk_case(R, W, k, dtype, gen, pattern=None):
 
 
 _SETTERS = {"cluster": ct.set_cluster_mode, "sampled": ct.set_sampled, "wide": ct.set_wide_mode,
-            "tri": ct.set_tri_mode, "split": ct.set_split_mode, "reg": ct.set_reg_mode}
+            "tri": ct.set_tri_mode, "split": ct.set_split_mode}
 
 
 def _tri_alts(W, k):
@@ -288,14 +284,6 @@ def run(args) -> list[dict]:
         for R in (1, 2, 4, 8, 16, 32, 48, 64):
             rows += _topk_case(R, K128, 2048, torch.float32, gen)
         rows += _topk_case(16, 1 << 20, 2048, torch.float32, gen)
-        return _print(rows)
-    if REG_ONLY:
-        for k in (512, 1024, 2048, 4096):
-            rows += _topk_case(4096, 16384, k, torch.float32, gen)
-        for pattern in ("all_equal", "neg_inf_half"):
-            rows += _topk_case(4096, 16384, 2048, torch.float32, gen, pattern)
-        for R, W, k in ((128, 16384, 2048), (1024, 16384, 2048), (4096, 8192, 1024), (4096, 4096, 512)):
-            rows += _topk_case(R, W, k, torch.float32, gen)
         return _print(rows)
     for k in (() if SMEM_ONLY else (2048,) if TARGETS_ONLY else (512, 1024, 2048)):
         rows += _topk_case(128, K128, k, torch.float32, gen)

@@ -29,7 +29,7 @@ namespace {
 
 using tsi::Params;
 
-constexpr int kVersion = 7;
+constexpr int kVersion = 6;
 
 int log2_exact(int v) {
   int l = 0;
@@ -316,23 +316,6 @@ bool aligned16(const void* ptr, long long stride, int esize) {
   return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0 && ((stride * esize) & 15) == 0;
 }
 
-// Register rows for dense fp32 topk launches (tsi::topk_reg_kernel: each row's keys in registers, no copy of the
-// row in shared memory): 0 = off (one CTA per row on the shared-memory path), 1 = auto (the default). Rows qualify
-// when their starts and stride are 16-byte aligned and width <= smem_keys.
-int g_reg_mode = 1;
-unsigned g_reg_launches = 0;  // (tests check that a mode reaches the kernel)
-
-constexpr int kRegSmem = (int)(offsetof(tsi::Smem, region) + sizeof(uint32_t) * tsi::REG_WORDS);
-
-bool reg_qualifies(const Params& p, int dtype) {
-  return g_reg_mode != 0 && dtype == 0 && p.width <= tsi::SMEM_KEYS && aligned16(p.logits, p.row_stride, 4);
-}
-
-cudaError_t launch_reg(const Params& p, cudaStream_t stream, int dev) {
-  ++g_reg_launches;
-  return launch_rows<tsi::topk_reg_kernel<tsi::DenseSrc<float>>, tsi::THREADS, kRegSmem>(p, stream, dev);
-}
-
 // Three CTAs per SM for batches of shared-memory rows (tsi::topk_tri_kernel: 16-bit keys in shared memory, ~73 KB
 // per CTA instead of ~107): 0 = off (the default: 5-14% slower than two CTAs per SM on an H100, NOTES.md run 96),
 // 1 = auto (batches of at least 2 x SMs rows, where the one-CTA-per-row kernel runs two CTAs per SM), 2 = whenever
@@ -450,7 +433,6 @@ int tsi_topk(const void* logits, long long row_stride, int rows, int width, int 
   if (tri_rows(p, dtype, dev))
     return dtype == 0 ? launch_tri<tsi::DenseSrc<float>>(p, s, dev)
                       : launch_tri<tsi::DenseSrc<tsi::bf16_tag>>(p, s, dev);
-  if (reg_qualifies(p, dtype)) return launch_reg(p, s, dev);
   return dtype == 0 ? launch_dense<float>(p, s, dev) : launch_dense<tsi::bf16_tag>(p, s, dev);
 }
 
@@ -486,16 +468,6 @@ int tsi_topk_set_wide_mode(int mode) {
   return prev;
 }
 int tsi_topk_wide_threads() { return tsi_wide::THREADS; }
-
-// Register mode of tsi_topk (see g_reg_mode): 0 = off, 1 = auto (the default). Results are identical in every
-// mode. Returns the previous mode; a value outside 0..1 only queries. For benchmarks and tests; not thread-safe
-// against launches.
-int tsi_topk_set_reg_mode(int mode) {
-  const int prev = g_reg_mode;
-  if (mode >= 0 && mode <= 1) g_reg_mode = mode;
-  return prev;
-}
-int tsi_topk_reg_launches() { return (int)(g_reg_launches & 0x7fffffffu); }
 
 // Three-CTA mode of tsi_topk and tsi_sparse_topk (see g_tri_mode): 0 = off (the default), 1 = auto, 2 = always for
 // qualifying rows. Results are identical in every mode. Returns the previous mode; a value outside 0..2 only

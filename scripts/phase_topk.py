@@ -10,7 +10,7 @@ the kernel's span (first CTA start to last CTA end), the spread of CTA starts, a
 (median, max). L2 is flushed before each launch. Every shape runs with the wide CTAs off; decode shapes (fewer rows
 than 2 x SMs) once more on them (``cuda_topk.set_wide_mode("always")``), labelled ``wide``; 16K and sparse shapes
 once more on the three-CTA kernel (``cuda_topk.set_tri_mode("always")``), labelled ``tri``; PHASE_SMEM_ONLY=1:
-only 4096 x 16K and the sparse shape, default kernels, and 4096 x 16K without the register kernel. Usage: python
+only 4096 x 16K and the sparse shape, default kernels. Usage: python
 scripts/phase_topk.py  (on the GPU machine)."""
 import ctypes
 import os
@@ -33,13 +33,12 @@ lib.tsi_topk_phase_spans.argtypes = [ctypes.c_void_p, ctypes.c_int]
 g = torch.Generator().manual_seed(0)
 scrub = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
-RUNS = [(s, "off", "off") for s in SHAPES] + [((4096, 16384), "off", "reg off")] if SMEM_ONLY else ([(s, "off", "off") for s in SHAPES]
+RUNS = [(s, "off", "off") for s in SHAPES] if SMEM_ONLY else ([(s, "off", "off") for s in SHAPES]
         + [(s, "always", "off") for s in SHAPES if s[0] != "sparse" and s[0] < 2 * SMS]
         + [(s, "off", "always") for s in SHAPES if s[0] == "sparse" or s[1] <= ct.tuning()["smem_keys"]])
 for shape, wide, tri in RUNS:
     ct.set_wide_mode(wide)
-    ct.set_reg_mode("off" if tri == "reg off" else "auto")  # (the register kernel: dense fp32 rows <= smem_keys)
-    ct.set_tri_mode("off" if tri == "reg off" else tri)
+    ct.set_tri_mode(tri)
     sparse = shape[0] == "sparse"
     R, W = (shape[1], shape[2] * shape[3]) if sparse else shape
     x = torch.randn(R, W, generator=g).cuda()
@@ -68,8 +67,7 @@ for shape, wide, tri in RUNS:
     pts = [i for i in range(32) if v[i]]
     pts.sort(key=lambda i: v[i])  # in time order (points inside phases have numbers >= 20)
     steps = [f"{a}->{b}: {(v[b] - v[a]) / MHZ:.2f} us" for a, b in zip(pts, pts[1:])]
-    label = ("sparse " if sparse else "") + ("wide " if wide == "always" else "") + ("tri " if tri == "always" else "") + (
-        "reg off " if tri == "reg off" else "")
+    label = ("sparse " if sparse else "") + ("wide " if wide == "always" else "") + ("tri " if tri == "always" else "")
     print(f"{label}{R}x{W}: rc={rc} points={pts} " + ", ".join(steps), flush=True)
     s = list(spans)
     starts, ends = s[0::2], s[1::2]

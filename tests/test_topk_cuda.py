@@ -426,68 +426,6 @@ def test_topk_wide_mode(gen):
     testing.assert_bitwise_equal(outs["auto"], outs["off"])
 
 
-# Register rows (dense fp32, 16-byte aligned, width <= SMEM_KEYS): the whole register capacity, one chunk less, the
-# usual small width, and fewer columns than one warp's chunks.
-W_REG = [SMEM_KEYS, SMEM_KEYS - 4, W_SMALL, 100]
-
-
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("W", W_REG)
-def test_topk_reg(pattern, W, gen):
-    """Rows in registers (the default for these rows): the reference's output, every launch on the kernel. The
-    lengths cut chunks anywhere (partial last chunks), the patterns reach the buffered threshold bin, the whole bin
-    taken, and bins too large for the buffer (ties), with and without a tie to break at the threshold."""
-    for k in sorted({1, 7, min(100, MAXK), min(2048, MAXK), MAXK}):
-        lens = _lengths(W, k, gen, extra_rows=2).to(DEV)
-        x = _pattern(pattern, lens.shape[0], W, gen).to(DEV)
-        n0 = ct.reg_launches()
-        a, b = _run_topk(x, lens, k)
-        assert ct.reg_launches() == n0 + 1, "the launch took the register kernel"
-        _assert_same(a, b, f"reg {pattern} W={W} k={k}")
-
-
-@pytest.mark.parametrize("offset,pad,reg", [(0, 4, True), (0, 60, True), (4, 0, True), (1, 3, False),
-                                            (0, 1, False)])
-def test_topk_reg_strided(offset, pad, reg, gen):
-    """Rows of aligned starts and strides take the register kernel, padded or offset by whole chunks; others the
-    shared-memory path. Both give the reference's output."""
-    W, k, R = SMEM_KEYS - 8, min(512, MAXK), 5
-    buf = torch.randn(R, W + offset + pad, generator=gen).to(DEV)
-    x = buf[:, offset:offset + W]
-    lens = torch.tensor([W, W - 3, k + 2, 17, W // 3], dtype=torch.int32, device=DEV)
-    n0 = ct.reg_launches()
-    a, b = _run_topk(x, lens, k)
-    assert (ct.reg_launches() > n0) == reg
-    _assert_same(a, b, f"reg strided offset={offset} pad={pad}")
-
-
-def test_topk_reg_mode(gen):
-    """"auto" (the default) takes the register kernel for aligned fp32 rows of at most SMEM_KEYS columns, never for
-    bf16 or longer rows; "off" never; both give the same bits."""
-    with pytest.raises(ValueError, match="mode"):
-        ct.set_reg_mode("always")
-    W, k = SMEM_KEYS, min(2048, MAXK)
-    x = _pattern("few_values", 4, W, gen).to(DEV)
-    lens = torch.tensor([W, W - 1, W // 2 + 1, k + 3], dtype=torch.int32, device=DEV)
-    prev = ct.set_reg_mode("off")
-    outs = {}
-    try:
-        for mode in ct.REG_MODES:
-            assert ct.set_reg_mode(mode) in ct.REG_MODES
-            n0 = ct.reg_launches()
-            outs[mode], ref = _run_topk(x, lens, k)
-            _assert_same(outs[mode], ref, f"mode {mode}")
-            assert (ct.reg_launches() > n0) == (mode == "auto"), mode
-            n0 = ct.reg_launches()
-            _run_topk(x.to(torch.bfloat16), lens, k)
-            _run_topk(torch.randn(2, SMEM_KEYS + 4, generator=gen).to(DEV), lens[:2], k)
-            assert ct.reg_launches() == n0, f"{mode}: bf16 and longer rows"
-    finally:
-        ct.set_reg_mode(prev)
-    assert prev == "auto"
-    testing.assert_bitwise_equal(outs["auto"], outs["off"])
-
-
 def test_topk_empty_and_tiny(gen):
     for R, W, k in [(0, 10, 5), (3, 0, 5), (2, 1, 1), (4, 3, MAXK)]:
         x = torch.randn(R, W, generator=gen).to(DEV)
@@ -770,7 +708,7 @@ def test_block_topk_patterns(pattern, W, gen, sampled):
 # Determinism, graphs, dispatch
 # ----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("W", [SMEM_KEYS, W_CLUSTER, W_STREAM])
+@pytest.mark.parametrize("W", [W_CLUSTER, W_STREAM])
 def test_bitwise_repeatable(W, gen, sampled):
     runs = 50 if not EMU else 3
     x = _pattern("few_values", 4, W, gen).to(DEV)

@@ -43,9 +43,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     if hasattr(lib, "tsi_topk_set_split_mode"):  # (libraries before version 6, e.g. benchmarks' older builds, lack it)
         lib.tsi_topk_set_split_mode.argtypes = [i32]
         lib.tsi_topk_set_split_mode.restype = lib.tsi_topk_split_launches.restype = ctypes.c_int
-    if hasattr(lib, "tsi_topk_set_reg_mode"):  # (version 7)
-        lib.tsi_topk_set_reg_mode.argtypes = [i32]
-        lib.tsi_topk_set_reg_mode.restype = lib.tsi_topk_reg_launches.restype = ctypes.c_int
     lib.tsi_topk_set_tri_mode.argtypes = [i32]
     lib.tsi_topk_set_cluster_mode.argtypes = [i32]
     lib.tsi_topk_set_wide_mode.argtypes = [i32]
@@ -128,28 +125,6 @@ def split_launches() -> int:
     if not available() or not hasattr(_LIB.lib, "tsi_topk_split_launches"):
         return 0
     return int(_LIB.lib.tsi_topk_split_launches())
-
-
-REG_MODES = ("off", "auto")
-
-
-def set_reg_mode(mode: str) -> str:
-    """Whether dense fp32 ``topk`` rows of ``width <= smem_keys`` columns, 16-byte aligned, are selected with each
-    row's keys held in registers (``"auto"``, the default) or copied into shared memory (``"off"``). Results are
-    identical in both modes. Returns the previous mode ("off" for a library without the kernel). For benchmarks and
-    tests that compare the paths."""
-    if mode not in REG_MODES:
-        raise ValueError(f"mode: expected one of {REG_MODES}, got {mode!r}")
-    if not available() or not hasattr(_LIB.lib, "tsi_topk_set_reg_mode"):
-        return "off"
-    return REG_MODES[_LIB.lib.tsi_topk_set_reg_mode(REG_MODES.index(mode))]
-
-
-def reg_launches() -> int:
-    """Launches of the register-row kernel so far in this process (tests check that a mode reaches it)."""
-    if not available() or not hasattr(_LIB.lib, "tsi_topk_reg_launches"):
-        return 0
-    return int(_LIB.lib.tsi_topk_reg_launches())
 
 
 WIDE_MODES = ("off", "auto", "always")
