@@ -51,19 +51,33 @@ int sm_count(int dev);
 #define TSI_PREFETCH_WAVE_KB 256
 #endif
 
+// Kernel's dynamic shared-memory limit raised to `smem` bytes and, with carveout >= 0, its preferred shared-memory
+// carveout set (percent), once per device: not stream operations, so capture-safe. Nothing to set in emulation.
+template <auto Kernel>
+cudaError_t kernel_attrs(int dev, int smem, int carveout = -1) {
+#ifndef TSI_EMULATE
+  static bool done[64] = {false};
+  if (done[dev]) return cudaSuccess;
+  cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess && carveout >= 0)
+    e = cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout);
+  if (e != cudaSuccess) return e;
+  done[dev] = true;
+#else
+  (void)dev;
+  (void)smem;
+  (void)carveout;
+#endif
+  return cudaSuccess;
+}
+
 // One CTA of `threads` threads per row, `smem` bytes of dynamic shared memory.
 template <auto Kernel, int threads, int smem>
 cudaError_t launch_rows(const Params& p_in, cudaStream_t stream, int dev) {
   Params p = p_in;
   p.prefetch_bytes = 1024 * (p.rows <= sm_count(dev) ? TSI_PREFETCH_WAVE_KB : TSI_PREFETCH_KB);
+  if (cudaError_t e = kernel_attrs<Kernel>(dev, smem); e != cudaSuccess) return e;
 #ifndef TSI_EMULATE
-  // Raise the dynamic shared-memory limit once per device (not a stream operation: capture-safe).
-  static bool done[64] = {false};
-  if (!done[dev]) {
-    cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) return e;
-    done[dev] = true;
-  }
   Kernel<<<p.rows, threads, smem, stream>>>(p);
   return cudaGetLastError();
 #else
@@ -180,15 +194,9 @@ cudaLaunchConfig_t cluster_config(int grid, int threads, int smem, int C, cudaSt
 template <typename T>
 cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int dev, int C, int S) {
   const int smem = (int)(offsetof(tsi::Smem, region) + (size_t)(S + tsi::NBINS) * 4);
+  const int most = (int)(offsetof(tsi::Smem, region) + (size_t)(tsi::SMEM_KEYS + tsi::NBINS) * 4);
+  if (cudaError_t e = kernel_attrs<tsi::topk_cluster_kernel<T>>(dev, most); e != cudaSuccess) return e;
 #ifndef TSI_EMULATE
-  static bool done[64] = {false};
-  if (!done[dev]) {
-    const int most = (int)(offsetof(tsi::Smem, region) + (size_t)(tsi::SMEM_KEYS + tsi::NBINS) * 4);
-    cudaError_t e =
-        cudaFuncSetAttribute(tsi::topk_cluster_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, most);
-    if (e != cudaSuccess) return e;
-    done[dev] = true;
-  }
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg = cluster_config(p.rows * C, tsi::THREADS, smem, C, stream, &attr);
   const cudaError_t e = cudaLaunchKernelEx(&cfg, tsi::topk_cluster_kernel<T>, p, S, C);
@@ -211,19 +219,8 @@ constexpr int kSplitSmem = (int)sizeof(tsi_wide::Smem);
 
 // The split kernel's dynamic shared-memory limit, once per device (not a stream operation: capture-safe).
 cudaError_t split_attrs(int dev) {
-#ifndef TSI_EMULATE
-  static bool done[64] = {false};
-  if (done[dev]) return cudaSuccess;
-  for (cudaError_t e : {cudaFuncSetAttribute(tsi_wide::topk_split_kernel<float>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSplitSmem),
-                        cudaFuncSetAttribute(tsi_wide::topk_split_kernel<tsi_wide::bf16_tag>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSplitSmem)})
-    if (e != cudaSuccess) return e;
-  done[dev] = true;
-#else
-  (void)dev;
-#endif
-  return cudaSuccess;
+  const cudaError_t e = kernel_attrs<tsi_wide::topk_split_kernel<float>>(dev, kSplitSmem);
+  return e != cudaSuccess ? e : kernel_attrs<tsi_wide::topk_split_kernel<tsi_wide::bf16_tag>>(dev, kSplitSmem);
 }
 
 // How many clusters of C split-kernel CTAs can be resident at once (a GPC holds whole clusters, so on a GPU whose
@@ -336,19 +333,7 @@ bool tri_rows(const Params& p, int dtype, int dev) {
 // memory, and all of the SM's unified L1 / shared memory as shared memory (three CTAs need it).
 template <class Src>
 cudaError_t launch_tri_attrs(int dev) {
-#ifndef TSI_EMULATE
-  static bool done[64] = {false};
-  if (done[dev]) return cudaSuccess;
-  cudaError_t e = cudaFuncSetAttribute(tsi::topk_tri_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       kTriSmem);
-  if (e == cudaSuccess)
-    e = cudaFuncSetAttribute(tsi::topk_tri_kernel<Src>, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-  if (e != cudaSuccess) return e;
-  done[dev] = true;
-#else
-  (void)dev;
-#endif
-  return cudaSuccess;
+  return kernel_attrs<tsi::topk_tri_kernel<Src>>(dev, kTriSmem, 100);
 }
 
 // Launches of the three-CTA kernel so far (tests check that the mode they set reaches it).
