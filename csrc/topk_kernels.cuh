@@ -1249,6 +1249,26 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
   else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
 #endif
 }
+// A shared-memory base for several 16-byte copies at constant offsets from it: the address conversion done once
+// (per copy it cost a special-register read and ~5 instructions more: sm_90a SASS of keys_to_smem_async).
+struct SmemBase {
+  unsigned char* p;
+  unsigned s;  // its shared-window address (unused in emulation)
+  __device__ explicit SmemBase(void* ptr) : p(static_cast<unsigned char*>(ptr)) {
+#ifdef TSI_EMULATE
+    s = 0u;
+#else
+    s = (unsigned)__cvta_generic_to_shared(ptr);
+#endif
+  }
+};
+__device__ __forceinline__ void cp_async16_at(const SmemBase& b, unsigned off, const void* gmem) {
+#ifdef TSI_EMULATE
+  tsi_emu::async_copy(b.p + off, gmem, 16, 16);
+#else
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(b.s + off), "l"(gmem) : "memory");
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() {
 #ifdef TSI_EMULATE
   tsi_emu::async_commit();
@@ -1285,12 +1305,17 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
     for (int b = tid; b < src.nb; b += THREADS) cp_async<4>(src.tv + b, src.blk + b);
     cp_async_commit();
   }
+  // Chunk c = u * THREADS + tid lands at group kgroup(c) = u * THREADS + kgroup(tid) (THREADS is a multiple of 64),
+  // so one shared and one global base per thread serve all its copies, at constant offsets.
+  static_assert(THREADS % 64 == 0, "one swizzle per thread");
+  const SmemBase kb(K + 4 * kgroup(tid));
+  const char* const gb = src.ch.abase + 16LL * tid;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
-      const int c = (g * PER + j) * THREADS + tid;
-      if (c < nfull) cp_async<16>(K + 4 * kgroup(c), src.ch.abase + (long long)c * 16);
+      const int u = g * PER + j;
+      if (u * THREADS + tid < nfull) cp_async16_at(kb, 16u * u * THREADS, gb + 16LL * u * THREADS);
     }
     cp_async_commit();
   }
@@ -1318,10 +1343,8 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
       hist_keys<4>(sm, key, 0, 0u);
     }
   }
-  // Chunk u of this thread (c = u * THREADS + tid) sits u * THREADS groups after its first: THREADS is a multiple
-  // of 64, so the swizzle is the same for all of them. Threads whose chunks all lie inside the row (all but the
-  // last few) convert them without a bounds test, so the conversion is straight-line code.
-  static_assert(THREADS % 64 == 0, "one swizzle per thread");
+  // Chunk u of this thread sits u * THREADS groups after its first (as for the copies). Threads whose chunks all lie
+  // inside the row (all but the last few) convert them without a bounds test, so the conversion is straight-line code.
   uint4* const q0 = reinterpret_cast<uint4*>(K + 4 * kgroup(tid));
   auto convert = [&](bool check) {
 #pragma unroll
