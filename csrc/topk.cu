@@ -191,22 +191,28 @@ cudaLaunchConfig_t cluster_config(int grid, int threads, int smem, int C, cudaSt
 }
 #endif
 
+// Kernel(p, S, C) on p.rows clusters of C CTAs of `threads` threads and `smem` bytes of dynamic shared memory (the
+// cluster and split kernels; their attributes are the caller's).
+template <auto Kernel>
+cudaError_t launch_clusters(const Params& p, cudaStream_t stream, int C, int S, int threads, int smem) {
+#ifndef TSI_EMULATE
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = cluster_config(p.rows * C, threads, smem, C, stream, &attr);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, Kernel, p, S, C);
+  return e != cudaSuccess ? e : cudaGetLastError();
+#else
+  (void)stream;
+  tsi_emu::launch_cluster(p.rows * C, C, threads, smem, [p, S, C]() { Kernel(p, S, C); });
+  return cudaSuccess;
+#endif
+}
+
 template <typename T>
 cudaError_t launch_cluster(const Params& p, cudaStream_t stream, int dev, int C, int S) {
   const int smem = (int)(offsetof(tsi::Smem, region) + (size_t)(S + tsi::NBINS) * 4);
   const int most = (int)(offsetof(tsi::Smem, region) + (size_t)(tsi::SMEM_KEYS + tsi::NBINS) * 4);
   if (cudaError_t e = kernel_attrs<tsi::topk_cluster_kernel<T>>(dev, most); e != cudaSuccess) return e;
-#ifndef TSI_EMULATE
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_config(p.rows * C, tsi::THREADS, smem, C, stream, &attr);
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, tsi::topk_cluster_kernel<T>, p, S, C);
-  return e != cudaSuccess ? e : cudaGetLastError();
-#else
-  (void)stream;
-  (void)dev;
-  tsi_emu::launch_cluster(p.rows * C, C, tsi::THREADS, smem, [p, S, C]() { tsi::topk_cluster_kernel<T>(p, S, C); });
-  return cudaSuccess;
-#endif
+  return launch_clusters<tsi::topk_cluster_kernel<T>>(p, stream, C, S, tsi::THREADS, smem);
 }
 
 // Split mode for dense rows (topk_split_kernel: C CTAs of tsi_wide::THREADS threads in a cluster stream one row,
@@ -278,17 +284,7 @@ cudaError_t launch_split(const Params& p_in, cudaStream_t stream, int dev, int C
   p.prefetch_bytes = 1024 * ((long long)p.rows * C <= sm_count(dev) ? TSI_PREFETCH_WAVE_KB : TSI_PREFETCH_KB);
   if (cudaError_t e = split_attrs(dev); e != cudaSuccess) return e;
   ++g_split_launches;
-#ifndef TSI_EMULATE
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = cluster_config(p.rows * C, tsi_wide::THREADS, kSplitSmem, C, stream, &attr);
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, tsi_wide::topk_split_kernel<Elem>, p, S, C);
-  return e != cudaSuccess ? e : cudaGetLastError();
-#else
-  (void)stream;
-  tsi_emu::launch_cluster(p.rows * C, C, tsi_wide::THREADS, kSplitSmem,
-                          [p, S, C]() { tsi_wide::topk_split_kernel<Elem>(p, S, C); });
-  return cudaSuccess;
-#endif
+  return launch_clusters<tsi_wide::topk_split_kernel<Elem>>(p, stream, C, S, tsi_wide::THREADS, kSplitSmem);
 }
 
 // Streamed rows try the sampled threshold first (one read of the row; see sampled_mode): 1 = on (default).
