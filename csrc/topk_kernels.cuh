@@ -29,6 +29,8 @@
 #ifndef TSI_TOPK_PRELUDE
 #define TSI_TOPK_PRELUDE
 
+#include <utility>
+
 #ifdef TSI_EMULATE
 #include "emu/cuda_emu.h"
 #else
@@ -654,7 +656,9 @@ __device__ __forceinline__ void hist_inc(Smem& sm, uint32_t b, bool ok) {
 }
 
 __device__ __forceinline__ void clear_hist(Smem& sm) {
-  for (int i = threadIdx.x; i < NBINS; i += THREADS) sm.hist[i] = 0u;
+  // Unrolled over the known count: as a loop from threadIdx.x, ptxas built a general trip-count loop around it.
+#pragma unroll
+  for (int q = 0; q < NBINS / THREADS; ++q) sm.hist[q * THREADS + threadIdx.x] = 0u;
 }
 
 template <int E>
@@ -1069,20 +1073,36 @@ __device__ void bitmap_emit(Smem& sm, const uint32_t* G, const uint32_t* Q, int 
   }
   uint32_t tot;
   const uint32_t ex = block_excl_scan((ng << 16) | nq, sm.scan[0], &tot);  // both counts <= CAND_CAP < 2^16
-  uint32_t gt = ex >> 16, eq = ex & 0xffffu;
+  const uint32_t gt = ex >> 16, eq = ex & 0xffffu;
+  // The selected ties are the first need_eq in index order: this thread's share is a prefix of its own, merged into
+  // its "greater" words so that the walk below has one branch-free body (interleaving the two bitmaps bit by bit
+  // took ~19 instructions per output: NOTES.md).
+  uint32_t take = eq < need_eq ? need_eq - eq : 0u;
+  if (take < nq) {
+#pragma unroll
+    for (int j = 0; j < MAXPW; ++j) {
+      const uint32_t c = (uint32_t)__popc(q[j]);
+      if (take >= c) {
+        take -= c;
+      } else {
+        uint32_t keep = 0u;
+        for (; take > 0u; --take) {
+          const uint32_t low = q[j] & (0u - q[j]);
+          keep |= low;
+          q[j] ^= low;
+        }
+        q[j] = keep;
+      }
+    }
+  }
+  uint32_t rank = gt + (eq < need_eq ? eq : need_eq);
 #pragma unroll
   for (int j = 0; j < MAXPW; ++j) {
-    uint32_t all = g[j] | q[j];
-    while (all != 0u) {
-      const int b = __ffs((int)all) - 1;
-      all &= all - 1u;
-      if ((g[j] >> b) & 1u) {
-        emit(gt + (eq < need_eq ? eq : need_eq), 32 * (w0 + j) + b);
-        ++gt;
-      } else {
-        if (eq < need_eq) emit(gt + eq, 32 * (w0 + j) + b);
-        ++eq;
-      }
+    uint32_t sel = g[j] | q[j];
+    const int base = 32 * (w0 + j);
+    while (sel != 0u) {
+      emit(rank++, base + __ffs((int)sel) - 1);
+      sel &= sel - 1u;
     }
   }
 }
@@ -1262,12 +1282,27 @@ struct SmemBase {
 #endif
   }
 };
-__device__ __forceinline__ void cp_async16_at(const SmemBase& b, unsigned off, const void* gmem) {
+// cp.async of N bytes (as cp_async) to b + off from gmem + GOFF: a compile-time offset, so that copies from one
+// global base need no address arithmetic of their own (it is an immediate of the instruction).
+template <int N, int GOFF>
+__device__ __forceinline__ void cp_async_at(const SmemBase& b, unsigned off, const void* gmem) {
+  static_assert(N == 16 || N == 4, "cp.async sizes used here");
 #ifdef TSI_EMULATE
-  tsi_emu::async_copy(b.p + off, gmem, 16, 16);
+  tsi_emu::async_copy(b.p + off, static_cast<const unsigned char*>(gmem) + GOFF, N, N);
 #else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(b.s + off), "l"(gmem) : "memory");
+  if constexpr (N == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1+%2], 16;\n" ::"r"(b.s + off), "l"(gmem), "n"(GOFF) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1+%2], 4;\n" ::"r"(b.s + off), "l"(gmem), "n"(GOFF) : "memory");
 #endif
+}
+
+// f(std::integral_constant<int, I>{}) for I = 0 .. N - 1, in order (compile-time indices, e.g. for cp_async_at;
+// read them as decltype(arg)::value: the constant's conversion operator is host-only for nvcc).
+template <int N, class F>
+__device__ __forceinline__ void unrolled(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }(
+      std::make_integer_sequence<int, N>{});
 }
 __device__ __forceinline__ void cp_async_commit() {
 #ifdef TSI_EMULATE
@@ -1302,23 +1337,26 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   static_assert(NU % G == 0 && G >= 1 && G <= 4, "commit groups");
   const int m = src.m, nfull = m >> 2, tid = (int)threadIdx.x;
   if constexpr (Src::KIND == SPARSE) {
-    for (int b = tid; b < src.nb; b += THREADS) cp_async<4>(src.tv + b, src.blk + b);
+    // ids per thread at most (candidate blocks of at least 8 columns)
+    constexpr int NB = (SMEM_KEYS / 8 + THREADS - 1) / THREADS;
+    const SmemBase tb(src.tv + tid);
+    unrolled<NB>([&](auto qc) {
+      constexpr int q = decltype(qc)::value;
+      if (q * THREADS + tid < src.nb) cp_async_at<4, 4 * q * THREADS>(tb, 4u * q * THREADS, src.blk + tid);
+    });
     cp_async_commit();
   }
   // Chunk c = u * THREADS + tid lands at group kgroup(c) = u * THREADS + kgroup(tid) (THREADS is a multiple of 64),
-  // so one shared and one global base per thread serve all its copies, at constant offsets.
+  // so one shared and one global base per thread serve all its copies, at constant offsets (ptxas spent ~10
+  // instructions per copy on its addresses: sm_90a SASS, NOTES.md run 129).
   static_assert(THREADS % 64 == 0, "one swizzle per thread");
   const SmemBase kb(K + 4 * kgroup(tid));
   const char* const gb = src.ch.abase + 16LL * tid;
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int u = g * PER + j;
-      if (u * THREADS + tid < nfull) cp_async16_at(kb, 16u * u * THREADS, gb + 16LL * u * THREADS);
-    }
-    cp_async_commit();
-  }
+  unrolled<NU>([&](auto uc) {
+    constexpr int u = decltype(uc)::value;
+    if (u * THREADS + tid < nfull) cp_async_at<16, 16 * u * THREADS>(kb, 16u * u * THREADS, gb);
+    if constexpr (u % PER == PER - 1) cp_async_commit();  // G commit groups of PER copies
+  });
   clear_hist(sm);
   if (tid == 0) sm.ctl[4] = 0u;
   for (int i = 4 * nfull + tid; i < round32(m); i += THREADS) K[kslot(i)] = 0u;  // past the copies: tail + padding
