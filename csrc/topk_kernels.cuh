@@ -1582,24 +1582,29 @@ __device__ void smem_bitmap_select(Smem& sm, const uint32_t* K, int m, uint32_t 
   if (tid < W) {
     // Both bitmaps as "greater than" tests, each over all 32 keys in its own loop: ptxas then packs the
     // predicates seven at a time (P2R) for most of them; interleaved, and with the bin's test written as "<=",
-    // it spent a select and an OR per key (~40 more instructions per thread). The bin's keys are the complement
-    // of those outside it.
-    uint32_t outside = 0u, key[32];
+    // it spent a select and an OR per key (~40 more instructions per thread). The bin's keys are those not below
+    // it and not above it: "not below" as a "greater than" test of its own (a range test on key - lo1 cost a
+    // subtract per key; a "less than" test lost the packing: run 133).
+    uint32_t notbelow = 0u, key[32];
     load_kgroups<8>(K, 8 * tid, key);
 #pragma unroll
     for (int j = 0; j < 32; ++j) gw |= (uint32_t)(key[j] > hi) << j;
 #pragma unroll
-    for (int j = 0; j < 32; ++j) outside |= (uint32_t)(key[j] - lo1 > hi - lo1) << j;
-    bm = ~outside;
+    for (int j = 0; j < 32; ++j) notbelow |= (uint32_t)(key[j] > lo1 - 1u) << j;
+    bm = notbelow & ~gw;
     G[tid] = gw;
     Q[tid] = 0u;
   }
   uint32_t after;
   uint32_t o = warp_reserve(&sm.ctl[4], (uint32_t)__popc(bm), &after);
+  // kslot(32 * tid + j) == 32 * tid + (j ^ 4 * (tid & 7)) for j < 32 (the thread's 8 groups swizzled by tid & 7),
+  // which ptxas cannot derive: spelled out, each gathered key costs one XOR instead of six address instructions.
+  const uint32_t* const Kt = K + 32 * tid;
+  const int swz = (tid & 7) << 2;
   while (bm != 0u) {
     const int j = __ffs((int)bm) - 1;
     bm &= bm - 1u;
-    const uint32_t key = K[kslot(32 * tid + j)];
+    const uint32_t key = Kt[j ^ swz];
     BK[o] = key;
     BI[o] = (uint32_t)(32 * tid + j);
     ++o;
