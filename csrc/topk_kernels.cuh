@@ -1076,7 +1076,7 @@ __device__ void bitmap_emit(Smem& sm, const uint32_t* G, const uint32_t* Q, int 
   const uint32_t gt = ex >> 16, eq = ex & 0xffffu;
   // The selected ties are the first need_eq in index order: this thread's share is a prefix of its own, merged into
   // its "greater" words so that the walk below has one branch-free body (interleaving the two bitmaps bit by bit
-  // took ~19 instructions per output: NOTES.md).
+  // took ~17 instructions and two branches per output; now 9: NOTES.md, run 132).
   uint32_t take = eq < need_eq ? need_eq - eq : 0u;
   if (take < nq) {
 #pragma unroll
@@ -1598,7 +1598,7 @@ __device__ void smem_bitmap_select(Smem& sm, const uint32_t* K, int m, uint32_t 
   uint32_t after;
   uint32_t o = warp_reserve(&sm.ctl[4], (uint32_t)__popc(bm), &after);
   // kslot(32 * tid + j) == 32 * tid + (j ^ 4 * (tid & 7)) for j < 32 (the thread's 8 groups swizzled by tid & 7),
-  // which ptxas cannot derive: spelled out, each gathered key costs one XOR instead of six address instructions.
+  // which ptxas cannot derive: spelled out, a gathered key's address takes three instructions instead of six.
   const uint32_t* const Kt = K + 32 * tid;
   const int swz = (tid & 7) << 2;
   while (bm != 0u) {
