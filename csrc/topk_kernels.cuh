@@ -1255,22 +1255,8 @@ __device__ void final_global(Smem& sm, int& par, const Src& src, const Thresh& t
   });
 }
 
-// cp.async (SM80+): N = 16 or 4 bytes from global to shared memory without passing through registers (16-byte
-// copies skip L1: .cg; smaller ones must use .ca); commit groups and their waits are per thread. The emulator
-// lands each group at the wait that covers it (tsi_emu::async_copy).
-template <int N>
-__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
-  static_assert(N == 16 || N == 4, "cp.async sizes used here");
-#ifdef TSI_EMULATE
-  tsi_emu::async_copy(static_cast<unsigned char*>(smem), gmem, N, N);
-#else
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  if constexpr (N == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-  else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
-#endif
-}
-// A shared-memory base for several 16-byte copies at constant offsets from it: the address conversion done once
-// (per copy it cost a special-register read and ~5 instructions more: sm_90a SASS of keys_to_smem_async).
+// A shared-memory base for copies at constant offsets from it: the address conversion done once (per copy it cost
+// a special-register read and ~5 instructions more: sm_90a SASS of keys_to_smem_async).
 struct SmemBase {
   unsigned char* p;
   unsigned s;  // its shared-window address (unused in emulation)
@@ -1282,8 +1268,12 @@ struct SmemBase {
 #endif
   }
 };
-// cp.async of N bytes (as cp_async) to b + off from gmem + GOFF: a compile-time offset, so that copies from one
-// global base need no address arithmetic of their own (it is an immediate of the instruction).
+
+// cp.async (SM80+): N = 16 or 4 bytes from global to shared memory without passing through registers (16-byte
+// copies skip L1: .cg; smaller ones must use .ca); commit groups and their waits are per thread. The emulator
+// lands each group at the wait that covers it (tsi_emu::async_copy). This form copies to b + off from gmem + GOFF,
+// a compile-time offset, so that copies from one global base need no address arithmetic of their own (it is an
+// immediate of the instruction).
 template <int N, int GOFF>
 __device__ __forceinline__ void cp_async_at(const SmemBase& b, unsigned off, const void* gmem) {
   static_assert(N == 16 || N == 4, "cp.async sizes used here");
@@ -1295,6 +1285,12 @@ __device__ __forceinline__ void cp_async_at(const SmemBase& b, unsigned off, con
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1+%2], 4;\n" ::"r"(b.s + off), "l"(gmem), "n"(GOFF) : "memory");
 #endif
+}
+
+// One cp.async of N bytes from gmem to smem.
+template <int N>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
+  cp_async_at<N, 0>(SmemBase(smem), 0u, gmem);
 }
 
 // f(std::integral_constant<int, I>{}) for I = 0 .. N - 1, in order (compile-time indices, e.g. for cp_async_at;
