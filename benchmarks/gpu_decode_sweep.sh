@@ -6,6 +6,7 @@
 #   TARGETS=all                         every top-k target shape (default: decode, the 128 x 128K rows only)
 #   TARGETS=smem                        the shared-memory rows' targets only (4096 x 16K, sparse_topk)
 #   FLUSHES="write"                     the flushes to run (default: "write read")
+#   FLUSHES_FIRST="write read"          the flushes of the first default run only (default: FLUSHES)
 #   TESTS_K="random or sparse"          also run tests/test_topk_cuda.py -k "$TESTS_K" on each variant first
 #                                       (for at most TESTS_SECONDS, default 150)
 source "$(dirname "$0")/device_common.sh"
@@ -14,8 +15,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm --format=csv | te
 decode=1 smem=0 secs=40
 [ "${TARGETS:-decode}" = all ] && decode="" secs=90
 [ "${TARGETS:-decode}" = smem ] && decode="" smem=1 secs=60
-one() {  # name library
-  for fl in ${FLUSHES:-write read}; do
+one() {  # name library [flushes]
+  for fl in ${3:-${FLUSHES:-write read}}; do
     fits $secs "$1 $fl" || return 0
     TORCH_SPARSE_INDEXER_TOPK_LIB=$2 TSI_BENCH_FLUSH=$fl TSI_BENCH_TOPK_TARGETS=1 TSI_BENCH_TOPK_DECODE=$decode \
       TSI_BENCH_TOPK_SMEM=$smem TSI_BENCH_FLASHINFER=0 timeout $secs python3 benchmarks/bench.py --suite topk \
@@ -30,7 +31,7 @@ if [ -n "${VARIANTS:-}" ]; then
 else
   variants=(torch_sparse_indexer/_C/variant_*.so)
 fi
-one default ""
+one default "" "${FLUSHES_FIRST:-}"
 for v in "${variants[@]}"; do
   [ -f "$v" ] || { echo "missing $v"; continue; }
   n=$(basename "$v" .so)
