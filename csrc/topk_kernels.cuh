@@ -503,25 +503,27 @@ struct BlockScalarSrc {
 // Block-wide primitives (every thread of the CTA must call them, in the same order)
 // ------------------------------------------------------------------------------------------------
 
+// Inclusive prefix sum over lanes [0, W) of a warp (lanes >= W get sums they do not use). Warp-collective.
+template <int W = 32, typename T>
+__device__ __forceinline__ T warp_incl_scan(T x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < W; o <<= 1) {
+    const T y = __shfl_up_sync(FULL, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
 // Exclusive prefix over threads in thread order; *total = sum over the CTA. `tmp` must not be
 // reused before the next __syncthreads() that follows this call (callers alternate two buffers).
 __device__ __forceinline__ uint32_t block_excl_scan(uint32_t v, uint32_t* tmp, uint32_t* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    uint32_t y = __shfl_up_sync(FULL, x, o);
-    if (lane >= o) x += y;
-  }
+  const uint32_t x = warp_incl_scan(v);
   if (lane == 31) tmp[warp] = x;
   __syncthreads();
   const uint32_t t = lane < NWARPS ? tmp[lane] : 0u;
-  uint32_t sw = t;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    uint32_t y = __shfl_up_sync(FULL, sw, o);
-    if (lane >= o) sw += y;
-  }
+  const uint32_t sw = warp_incl_scan(t);
   *total = __shfl_sync(FULL, sw, 31);
   return __shfl_sync(FULL, sw - t, warp) + x - v;
 }
@@ -552,12 +554,7 @@ __device__ __forceinline__ void block_excl_scan_multi(const uint32_t (&v)[U], ui
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const uint32_t t = lane < NWARPS ? tmp[u * NWARPS + lane] : 0u;
-    uint32_t sw = t;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      uint32_t y = __shfl_up_sync(FULL, sw, o);
-      if (lane >= o) sw += y;
-    }
+    const uint32_t sw = warp_incl_scan(t);
     ex[u] = run + __shfl_sync(FULL, sw - t, warp) + x[u] - v[u];
     run += __shfl_sync(FULL, sw, 31);
   }
@@ -579,12 +576,7 @@ __device__ __forceinline__ void block_excl_scan_small(const uint32_t (&v)[U], ui
   uint32_t mine = 0u;
 #pragma unroll
   for (int u = 0; u < U; ++u) mine |= v[u] << (FB * u);
-  uint32_t x = mine;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t y = __shfl_up_sync(FULL, x, o);
-    if (lane >= o) x += y;
-  }
+  const uint32_t x = warp_incl_scan(mine);
   if (lane == 31) {
     unsigned long long w = 0ull;
 #pragma unroll
@@ -594,12 +586,7 @@ __device__ __forceinline__ void block_excl_scan_small(const uint32_t (&v)[U], ui
   }
   __syncthreads();
   const unsigned long long t = lane < NWARPS ? tmp[lane] : 0ull;
-  unsigned long long sw = t;
-#pragma unroll
-  for (int o = 1; o < NWARPS; o <<= 1) {
-    const unsigned long long y = __shfl_up_sync(FULL, sw, o);
-    if (lane >= o) sw += y;
-  }
+  const unsigned long long sw = warp_incl_scan<NWARPS>(t);
   const unsigned long long tot = __shfl_sync(FULL, sw, NWARPS - 1);
   const unsigned long long wex = __shfl_sync(FULL, sw - t, warp);
   const uint32_t lex = x - mine;  // this thread's exclusive prefix inside the warp, packed
@@ -618,12 +605,7 @@ __device__ __forceinline__ void block_excl_scan_small(const uint32_t (&v)[U], ui
 // after this warp's reservation (the same in every lane). Warp-collective.
 __device__ __forceinline__ uint32_t warp_reserve(uint32_t* count, uint32_t cnt, uint32_t* after) {
   const int lane = threadIdx.x & 31;
-  uint32_t incl = cnt;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const uint32_t y = __shfl_up_sync(FULL, incl, o);
-    if (lane >= o) incl += y;
-  }
+  const uint32_t incl = warp_incl_scan(cnt);
   const uint32_t wt = __shfl_sync(FULL, incl, 31);
   uint32_t wbase = 0u;
   if (lane == 0 && wt != 0u) wbase = atomicAdd(count, wt);
@@ -727,22 +709,13 @@ __device__ void find_bin(Smem& sm, uint32_t need) {
     const uint32_t ws = __reduce_add_sync(FULL, s);
     if (lane == 0) tmp[warp] = ws;
     __syncthreads();
-    uint32_t pre = lane < NWARPS ? tmp[lane] : 0u;  // inclusive prefix of the warp totals over lanes < NWARPS
-#pragma unroll
-    for (int o = 1; o < NWARPS; o <<= 1) {
-      const uint32_t y = __shfl_up_sync(FULL, pre, o);
-      if (lane >= o) pre += y;
-    }
+    // inclusive prefix of the warp totals over lanes < NWARPS
+    const uint32_t pre = warp_incl_scan<NWARPS>(lane < NWARPS ? tmp[lane] : 0u);
     tot = __shfl_sync(FULL, pre, NWARPS - 1);
     const uint32_t above = tot - __shfl_sync(FULL, pre, warp);  // elements in the warps after this one
     if (need > tot) need = tot;
     if (need > 0u && above < need && need <= above + ws) {  // warp-uniform: this warp holds the bin
-      uint32_t q = s;  // inclusive prefix over the warp's lanes
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t y = __shfl_up_sync(FULL, q, o);
-        if (lane >= o) q += y;
-      }
+      const uint32_t q = warp_incl_scan(s);  // inclusive prefix over the warp's lanes
       pick(above + ws - q, need);
     }
   } else {
