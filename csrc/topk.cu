@@ -40,16 +40,36 @@ int log2_exact(int v) {
 int sm_count(int dev);
 
 // The head of each dense row that the sampled pass asks L2 for while it computes its threshold (sampled_mode), in
-// KB: WAVE where the launch's rows all run at once (one CTA per SM at most, so HBM is otherwise idle then), else
-// the smaller value (later rows' passes keep HBM busy, and 264 CTAs' heads must not crowd L2). Measured on an H100
-// (NOTES.md, runs 112-114): 128 x 128K under the read flush 36.7-37.0 us at 64 KB (the old default), 36.5-36.6 at 128,
-// 36.3-36.6 at 256 (0 KB: 37.7); under the write flush all within 0.3 us of each other.
+// KB: wave_prefetch_kb(dev) where the launch's rows all run at once (one CTA per SM at most, so HBM is otherwise
+// idle then), else TSI_PREFETCH_KB (later rows' passes keep HBM busy, and 264 CTAs' heads must not crowd L2).
 #ifndef TSI_PREFETCH_KB
 #define TSI_PREFETCH_KB 64
 #endif
-#ifndef TSI_PREFETCH_WAVE_KB
-#define TSI_PREFETCH_WAVE_KB 256
+
+// The one-wave head prefetch in KB: TSI_PREFETCH_WAVE_KB where a build sets it (the prefetch_N variants), else by
+// the device's peak HBM bandwidth, because the best size went opposite ways on the two GPUs measured (128 x 128K,
+// read flush, NOTES.md): on an H100 (3.35 TB/s; runs 112-114) 256 KB took 36.3-36.6 us against 36.7-37.0 at 64 KB,
+// on an H200 (4.9 TB/s; runs 144-145) 64 KB took 31.0-31.1 us against 31.7-31.9 at 256. Under the write flush the
+// sizes were within 0.5 us on both. Devices at 4 TB/s or more (including SM100, not measured) take 64 KB.
+int wave_prefetch_kb(int dev) {
+#ifdef TSI_PREFETCH_WAVE_KB
+  (void)dev;
+  return TSI_PREFETCH_WAVE_KB;
+#elif !defined(TSI_EMULATE)
+  static int cache[64] = {0};
+  if (cache[dev] == 0) {
+    int khz = 0, bits = 0;  // memory clock (kHz) and bus width (bits); double data rate
+    const bool ok = cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, dev) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, dev) == cudaSuccess;
+    const double bytes_per_s = ok ? 2.0 * 1e3 * khz * bits / 8 : 0.0;
+    cache[dev] = bytes_per_s >= 4e12 ? 64 : 256;
+  }
+  return cache[dev];
+#else
+  (void)dev;
+  return 256;
 #endif
+}
 
 // Kernel's dynamic shared-memory limit raised to `smem` bytes and, with carveout >= 0, its preferred shared-memory
 // carveout set (percent), once per device: not stream operations, so capture-safe. Nothing to set in emulation.
@@ -75,7 +95,7 @@ cudaError_t kernel_attrs(int dev, int smem, int carveout = -1) {
 template <auto Kernel, int threads, int smem>
 cudaError_t launch_rows(const Params& p_in, cudaStream_t stream, int dev) {
   Params p = p_in;
-  p.prefetch_bytes = 1024 * (p.rows <= sm_count(dev) ? TSI_PREFETCH_WAVE_KB : TSI_PREFETCH_KB);
+  p.prefetch_bytes = 1024 * (p.rows <= sm_count(dev) ? wave_prefetch_kb(dev) : TSI_PREFETCH_KB);
   if (cudaError_t e = kernel_attrs<Kernel>(dev, smem); e != cudaSuccess) return e;
 #ifndef TSI_EMULATE
   Kernel<<<p.rows, threads, smem, stream>>>(p);
@@ -281,7 +301,7 @@ template <typename T>
 cudaError_t launch_split(const Params& p_in, cudaStream_t stream, int dev, int C, int S) {
   using Elem = typename WideElem<T>::type;
   Params p = p_in;
-  p.prefetch_bytes = 1024 * ((long long)p.rows * C <= sm_count(dev) ? TSI_PREFETCH_WAVE_KB : TSI_PREFETCH_KB);
+  p.prefetch_bytes = 1024 * ((long long)p.rows * C <= sm_count(dev) ? wave_prefetch_kb(dev) : TSI_PREFETCH_KB);
   if (cudaError_t e = split_attrs(dev); e != cudaSuccess) return e;
   ++g_split_launches;
   return launch_clusters<tsi_wide::topk_split_kernel<Elem>>(p, stream, C, S, tsi_wide::THREADS, kSplitSmem);
