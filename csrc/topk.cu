@@ -61,6 +61,7 @@ int wave_prefetch_kb(int dev) {
     int khz = 0, bits = 0;  // memory clock (kHz) and bus width (bits); double data rate
     const bool ok = cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, dev) == cudaSuccess &&
                     cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, dev) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();  // a failed query must not surface as the next launch's error
     const double bytes_per_s = ok ? 2.0 * 1e3 * khz * bits / 8 : 0.0;
     cache[dev] = bytes_per_s >= 4e12 ? 64 : 256;
   }
