@@ -120,7 +120,10 @@ int sm_count(int dev) {
   static int cache[64] = {0};
   if (cache[dev] == 0) {
     int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0) v = 132;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0) {
+      (void)cudaGetLastError();  // as in wave_prefetch_kb: not the next launch's error
+      v = 132;
+    }
     cache[dev] = v;
   }
   return cache[dev];
