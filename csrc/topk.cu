@@ -46,6 +46,19 @@ int sm_count(int dev);
 #define TSI_PREFETCH_KB 64
 #endif
 
+#ifndef TSI_EMULATE
+// A device attribute, or 0 if the query fails (its error cleared, so that it does not surface as the next
+// launch's). A property query: capture-safe.
+int device_attr(cudaDeviceAttr attr, int dev) {
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, attr, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    v = 0;
+  }
+  return v;
+}
+#endif
+
 // The one-wave head prefetch in KB: TSI_PREFETCH_WAVE_KB where a build sets it (the prefetch_N variants), else by
 // the device's peak HBM bandwidth, because the best size went opposite ways on the two GPUs measured (128 x 128K,
 // read flush, NOTES.md): on an H100 (3.35 TB/s; runs 112-114) 256 KB took 36.3-36.6 us against 36.7-37.0 at 64 KB,
@@ -58,11 +71,9 @@ int wave_prefetch_kb(int dev) {
 #elif !defined(TSI_EMULATE)
   static int cache[64] = {0};
   if (cache[dev] == 0) {
-    int khz = 0, bits = 0;  // memory clock (kHz) and bus width (bits); double data rate
-    const bool ok = cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, dev) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, dev) == cudaSuccess;
-    if (!ok) (void)cudaGetLastError();  // a failed query must not surface as the next launch's error
-    const double bytes_per_s = ok ? 2.0 * 1e3 * khz * bits / 8 : 0.0;
+    // memory clock (kHz) x bus width (bits) x 2 (double data rate); 0 if a query failed
+    const double bytes_per_s = 2.0 * 1e3 * device_attr(cudaDevAttrMemoryClockRate, dev) *
+                               device_attr(cudaDevAttrGlobalMemoryBusWidth, dev) / 8;
     cache[dev] = bytes_per_s >= 4e12 ? 64 : 256;
   }
   return cache[dev];
@@ -70,6 +81,11 @@ int wave_prefetch_kb(int dev) {
   (void)dev;
   return 256;
 #endif
+}
+
+// Params::prefetch_bytes for a launch of `ctas` CTAs (one wave if they fit on the SMs at once).
+int head_prefetch_bytes(int dev, long long ctas) {
+  return 1024 * (ctas <= sm_count(dev) ? wave_prefetch_kb(dev) : TSI_PREFETCH_KB);
 }
 
 // Kernel's dynamic shared-memory limit raised to `smem` bytes and, with carveout >= 0, its preferred shared-memory
@@ -96,7 +112,7 @@ cudaError_t kernel_attrs(int dev, int smem, int carveout = -1) {
 template <auto Kernel, int threads, int smem>
 cudaError_t launch_rows(const Params& p_in, cudaStream_t stream, int dev) {
   Params p = p_in;
-  p.prefetch_bytes = 1024 * (p.rows <= sm_count(dev) ? wave_prefetch_kb(dev) : TSI_PREFETCH_KB);
+  p.prefetch_bytes = head_prefetch_bytes(dev, p.rows);
   if (cudaError_t e = kernel_attrs<Kernel>(dev, smem); e != cudaSuccess) return e;
 #ifndef TSI_EMULATE
   Kernel<<<p.rows, threads, smem, stream>>>(p);
@@ -119,12 +135,8 @@ int sm_count(int dev) {
 #ifndef TSI_EMULATE
   static int cache[64] = {0};
   if (cache[dev] == 0) {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || v <= 0) {
-      (void)cudaGetLastError();  // as in wave_prefetch_kb: not the next launch's error
-      v = 132;
-    }
-    cache[dev] = v;
+    const int v = device_attr(cudaDevAttrMultiProcessorCount, dev);
+    cache[dev] = v > 0 ? v : 132;
   }
   return cache[dev];
 #else
@@ -305,7 +317,7 @@ template <typename T>
 cudaError_t launch_split(const Params& p_in, cudaStream_t stream, int dev, int C, int S) {
   using Elem = typename WideElem<T>::type;
   Params p = p_in;
-  p.prefetch_bytes = 1024 * ((long long)p.rows * C <= sm_count(dev) ? wave_prefetch_kb(dev) : TSI_PREFETCH_KB);
+  p.prefetch_bytes = head_prefetch_bytes(dev, (long long)p.rows * C);
   if (cudaError_t e = split_attrs(dev); e != cudaSuccess) return e;
   ++g_split_launches;
   return launch_clusters<tsi_wide::topk_split_kernel<Elem>>(p, stream, C, S, tsi_wide::THREADS, kSplitSmem);
