@@ -204,6 +204,14 @@ ROW_SWEEP = [(64, 4, 3, 32, False, True), (128, 4, 3, 16, False, True), (128, 4,
              (64, 4, 2, 32, True, False, 80)]
 
 
+# FP8 dense decode (128 x 128K) on SM90, the full 8-tuple (the last element, CTAs per SM, sizes the programs):
+# the default first and last (drift), then deeper pipelines, one-page tiles at higher occupancy, wider tiles.
+DENSE_DECODE_SWEEP = [ts._ROW_DENSE_DECODE, (128, 4, 3, 32, True, False, 96, 3), (128, 4, 2, 32, True, False, 104, 4),
+                      (64, 4, 3, 64, True, False, 80, 6), (64, 4, 4, 64, True, False, 80, 5),
+                      (256, 8, 2, 16, True, False, 96, 2), (128, 4, 2, 64, True, False, 96, 5),
+                      (128, 8, 2, 32, True, False, 64, 5), ts._ROW_DENSE_DECODE]
+
+
 def _sweep(rows, overrides, key, configs, fn, *, op, fmt, shape, floor, nbytes=None, flops=None, check=None,
            **extra):
     """One row per launch configuration: ``overrides[key] = cfg`` (a kernel module's ``CONFIG_OVERRIDES``),
@@ -317,8 +325,18 @@ def bench_decode(rows, quick):
                     print(f"  deepgemm paged failed: {e!r}")
             t = _t(fnd)
             if ctx == 131072 and B == 128 and not FAST and fmt == "fp8":
-                _sweep_rows(rows, fnd, op="paged_mqa_logits", fmt=fmt, shape=f"B{B} ctx{ctx}", B=B, ctx=ctx,
-                            floor=common.floor_us(dbytes), nbytes=dbytes)
+                base = outd.clone()
+
+                def same_as_default():
+                    outd.fill_(float("nan"))
+                    fnd()
+                    return (f"vs_default bitwise={bool(torch.equal(outd, base))} "
+                            f"diff={testing.calc_diff(outd, base):.1e}")
+
+                _sweep(rows, ts.CONFIG_OVERRIDES, "rows", DENSE_DECODE_SWEEP, fnd, op="paged_mqa_logits", fmt=fmt,
+                       shape=f"B{B} ctx{ctx}", B=B, ctx=ctx, floor=common.floor_us(dbytes), nbytes=dbytes,
+                       check=same_as_default)
+                del base
             _row(rows, op="paged_mqa_logits", impl="triton", fmt=fmt, shape=f"B{B} ctx{ctx}", B=B, ctx=ctx,
                  time_us=t, floor_us=common.floor_us(dbytes), tbps=dbytes / t / 1e6,
                  vs_deepgemm=(dg_t / t) if (dg_t and fmt == "fp8") else "",
