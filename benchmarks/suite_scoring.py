@@ -205,10 +205,11 @@ ROW_SWEEP = [(64, 4, 3, 32, False, True), (128, 4, 3, 16, False, True), (128, 4,
 
 
 # FP8 dense decode (128 x 128K) on SM90, the full 8-tuple (the last element, CTAs per SM, sizes the programs):
-# the default first and last (drift), then deeper pipelines, one-page tiles at higher occupancy, wider tiles.
+# the default first and last (drift), then deeper pipelines, one-page tiles at higher occupancy, wider tiles, and
+# fixed 32-tile programs (CTAs per SM None: no wave sizing).
 DENSE_DECODE_SWEEP = [ts._ROW_DENSE_DECODE, (128, 4, 3, 32, True, False, 96, 3), (128, 4, 2, 32, True, False, 104, 4),
                       (64, 4, 3, 64, True, False, 80, 6), (64, 4, 4, 64, True, False, 80, 5),
-                      (256, 8, 2, 16, True, False, 96, 2), (128, 4, 2, 64, True, False, 96, 5),
+                      (256, 8, 2, 16, True, False, 96, 2), (128, 4, 2, 32, True, False, 96, None),
                       (128, 8, 2, 32, True, False, 64, 5), ts._ROW_DENSE_DECODE]
 
 
