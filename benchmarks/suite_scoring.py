@@ -211,18 +211,24 @@ DENSE_DECODE_SWEEP = [ts._ROW_DENSE_DECODE, (128, 4, 3, 32, True, False, 96, 3),
                       (64, 4, 3, 64, True, False, 80, 6), (64, 4, 4, 64, True, False, 80, 5),
                       (256, 8, 2, 16, True, False, 96, 2), (128, 4, 2, 32, True, False, 96, None),
                       (128, 8, 2, 32, True, False, 64, 5), ts._ROW_DENSE_DECODE]
+# The same shape through TMA tiles (triton_scoring._dense_decode_tma_kernel; CONFIG_OVERRIDES["dense_tma"]):
+# (tokens per tile, warps, stages, tiles per program, register cap, CTAs per SM), one-page tiles at 64-token pages,
+# deeper pipelines at fewer CTAs per SM (a stage is 8 KB of K).
+DENSE_TMA_SWEEP = [(64, 4, 3, 64, None, 6), (64, 4, 4, 64, None, 5), (64, 4, 6, 64, None, 3),
+                   (64, 4, 2, 64, None, 8), (64, 4, 4, 64, 96, 5)]
 
 
 def _sweep(rows, overrides, key, configs, fn, *, op, fmt, shape, floor, nbytes=None, flops=None, check=None,
-           **extra):
+           label="triton", **extra):
     """One row per launch configuration: ``overrides[key] = cfg`` (a kernel module's ``CONFIG_OVERRIDES``),
-    ``check()`` (optional) runs first and gives the row's check column, then ``fn`` is timed."""
+    ``check()`` (optional) runs first and gives the row's check column, then ``fn`` is timed (impl
+    ``f"{label}{cfg}"``)."""
     for cfg in configs:
         overrides[key] = cfg
         try:
             chk = check() if check else ""
             t2 = _t(fn)
-            _row(rows, op=op, impl=f"triton{cfg}", fmt=fmt, shape=shape, time_us=t2, floor_us=floor,
+            _row(rows, op=op, impl=f"{label}{cfg}", fmt=fmt, shape=shape, time_us=t2, floor_us=floor,
                  tbps=(nbytes / t2 / 1e6) if nbytes else "", tflops=(flops / t2 / 1e6) if flops else "", check=chk,
                  **extra)
         except Exception as e:  # noqa: BLE001
@@ -334,9 +340,10 @@ def bench_decode(rows, quick):
                     return (f"vs_default bitwise={bool(torch.equal(outd, base))} "
                             f"diff={testing.calc_diff(outd, base):.1e}")
 
-                _sweep(rows, ts.CONFIG_OVERRIDES, "rows", DENSE_DECODE_SWEEP, fnd, op="paged_mqa_logits", fmt=fmt,
-                       shape=f"B{B} ctx{ctx}", B=B, ctx=ctx, floor=common.floor_us(dbytes), nbytes=dbytes,
-                       check=same_as_default)
+                for key, configs in (("rows", DENSE_DECODE_SWEEP), ("dense_tma", DENSE_TMA_SWEEP)):
+                    _sweep(rows, ts.CONFIG_OVERRIDES, key, configs, fnd, op="paged_mqa_logits", fmt=fmt,
+                           shape=f"B{B} ctx{ctx}", B=B, ctx=ctx, floor=common.floor_us(dbytes), nbytes=dbytes,
+                           check=same_as_default, label="tma" if key == "dense_tma" else "triton")
                 del base
             _row(rows, op="paged_mqa_logits", impl="triton", fmt=fmt, shape=f"B{B} ctx{ctx}", B=B, ctx=ctx,
                  time_us=t, floor_us=common.floor_us(dbytes), tbps=dbytes / t / 1e6,

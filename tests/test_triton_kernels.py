@@ -196,6 +196,38 @@ def test_paged_mqa_logits(fmt, D, H, seed, gen, paged_backend):
                mag=_mag("paged_mqa_logits", q, qs, kv, w, lens, bt, reqs, like=ref))
 
 
+# (tokens per tile, warps, stages, tiles per program, register cap, CTAs per SM): tiles smaller than a page, a
+# whole page, and few-tile programs (several programs per row), so the page offset and the row tail both vary.
+TMA_CONFIGS = [(64, 4, 3, 32, None, None), (128, 4, 2, 3, None, None)]
+
+
+@pytest.mark.parametrize("cfg", TMA_CONFIGS, ids=["t64", "t128-3tiles"])
+@pytest.mark.parametrize("D,H", [(128, 64), (128, 8), (64, 32)], ids=["D128-H64", "D128-H8", "D64-H32"])
+def test_paged_mqa_logits_tma(cfg, D, H, seed, gen, monkeypatch):
+    """The FP8 dense decode with its K tiles fetched by TMA (``_dense_decode_tma_kernel``, switched on by
+    ``CONFIG_OVERRIDES["dense_tma"]``) against the reference, on every cache block size: pages of fewer than 64
+    tokens keep the row kernel, the others take the TMA kernel (checked through ``_dense_tma_config``)."""
+    rng = random.Random(seed)
+    monkeypatch.setitem(ts.CONFIG_OVERRIDES, "dense_tma", cfg)
+    for bs in formats.CACHE_BLOCK_SIZES:
+        kv, bt, lens, reqs, R, _, seq = _paged_case(random.Random(rng.random()), gen, "fp8", D, H, mtp=True)
+        kv = testing.make_paged_cache(seq, bs, D, "fp8", device=DEV, gen=gen,
+                                      max_blocks=max(1, max((n + bs - 1) // bs for n in seq)) + 1)
+        bt = kv.block_table
+        if bt.numel() > 1:
+            bt.view(-1)[rng.randrange(bt.numel())] = -1  # a hole: those positions score -inf
+            bt.view(-1)[rng.randrange(bt.numel())] = 10 ** 6  # a page past the cache: -inf
+        kv = kv.kv_cache
+        q, qs, w = _queries(R, H, D, "fp8", gen)
+        L = max(1, max(seq) + rng.randint(0, 40))
+        ref = torch.empty(R, L, device=DEV)
+        reference.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, ref)
+        assert (ts._dense_tma_config(bs) is not None) == (bs >= 64)
+        with _paged("triton"):
+            _check(lambda out: ops.paged_mqa_logits(q, qs, kv, w, lens, bt, reqs, out), ref,
+                   mag=_mag("paged_mqa_logits", q, qs, kv, w, lens, bt, reqs, like=ref))
+
+
 @pytest.mark.parametrize("fmt,D,H", CONFIGS, ids=CFG_IDS)
 def test_paged_sparse_mqa_logits(fmt, D, H, seed, gen, paged_backend):
     rng = random.Random(seed)

@@ -545,6 +545,64 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
 
 
 # ----------------------------------------------------------------------------------------------------
+# Kernel 1b: FP8 dense decode with the K tiles fetched by TMA (SM90; experimental, see _DENSE_DECODE_TMA)
+# ----------------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=_INT_ARGS,
+            do_not_specialize_on_alignment=["w_ptr", "out_ptr", "a_ptr", "bt_ptr", "req_ptr", "kv_ptr"])
+def _dense_decode_tma_kernel(q_ptr, w_ptr, kdesc, kv_ptr, a_ptr, bt_ptr, req_ptr, out_ptr,
+                             H, L, OUT_STRIDE, NREQ, MB, BT_STRIDE, NB_CACHE, LBS, PAGE_STRIDE, W_STRIDE, COLS,
+                             HP: tl.constexpr, D: tl.constexpr, HAS_REQ: tl.constexpr, T: tl.constexpr,
+                             NUM_STAGES: tl.constexpr):
+    """``paged_mqa_logits`` on an FP8 cache, program (row, chunk) as in :func:`_rows_kernel` (``COLS`` a multiple
+    of ``T``), each tile of ``T`` tokens one TMA box ``[1, T, D]`` of the page view ``kdesc`` (``[NB, BS, D]``
+    e4m3, strides ``[PAGE_STRIDE, D, 1]``; ``T <= BS``, so a tile never leaves its page). The copy engine moves
+    whole tiles, so the warps issue no per-thread copies or address arithmetic for K and the pipeline's loads
+    stay in flight without occupying the load/store unit's per-thread request slots."""
+    BS = 1 << LBS
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    n = tl.load(a_ptr + row)
+    if HAS_REQ:
+        req = tl.load(req_ptr + row)
+    else:
+        req = row
+    n = tl.minimum(tl.maximum(n, 0), MB << LBS)
+    n = tl.where((req >= 0) & (req < NREQ), n, 0)
+    req = tl.minimum(tl.maximum(req, 0), NREQ - 1)
+    h = tl.arange(0, HP)
+    hmask = h < H
+    q8 = _load_q_fp8(q_ptr, (row.to(tl.int64) * H + h) * D, hmask, D)
+    wv = tl.load(w_ptr + row.to(tl.int64) * W_STRIDE + h, mask=hmask, other=0.0).to(tl.float32)
+    c_lo = chunk * COLS
+    c_hi = tl.minimum(c_lo + COLS, L)
+    c_mid = tl.minimum(c_hi, tl.maximum(c_lo, n))
+    sc_base = kv_ptr.to(tl.pointer_type(tl.float32))
+    out_row = out_ptr + row.to(tl.int64) * OUT_STRIDE
+    bt_row = bt_ptr + req.to(tl.int64) * BT_STRIDE
+    offs = tl.arange(0, T)
+    for c0 in tl.range(c_lo, c_mid, T, num_stages=NUM_STAGES):
+        page = tl.load(bt_row + (c0 >> LBS))
+        pv = (page >= 0) & (page < NB_CACHE)
+        page = tl.where(pv, page, 0)
+        off = c0 & (BS - 1)
+        kb = kdesc.load([page, off, 0]).reshape(T, D)
+        acc = tl.dot(kb, tl.trans(q8))
+        cols = c0 + offs
+        valid = (cols < c_mid) & pv
+        sidx = page.to(tl.int64) * (PAGE_STRIDE // 4) + BS * (D // 4) + off + offs
+        ksc = tl.load(sc_base + sidx, mask=valid, other=0.0)
+        terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wv[None, :]
+        logit = tl.sum(terms, axis=1) * ksc
+        logit = tl.where(valid, logit, float("-inf"))
+        tl.store(out_row + cols, logit.to(out_ptr.dtype.element_ty), mask=cols < c_hi)
+    ninf = tl.full((T,), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
+    for c0 in range(c_lo + tl.cdiv(c_mid - c_lo, T) * T, c_hi, T):
+        cols = c0 + offs
+        tl.store(out_row + cols, ninf, mask=cols < c_hi)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Kernel 2: dense prefill, a block of BQ query rows per program over absolute key windows
 # ----------------------------------------------------------------------------------------------------
 
@@ -814,6 +872,23 @@ _ROW_DENSE_DECODE = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, 5)
 _ROW_SPARSE_PREFILL = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, None)
 
 
+# FP8 dense decode through TMA tiles (_dense_decode_tma_kernel): (tokens per tile, warps, stages, tiles per program
+# (at most), register cap or None, CTAs per SM or None). Off (None) until it measures faster than _ROW_DENSE_DECODE
+# on the H200, whose gap to DeepGEMM (0.89-0.92x, none on an H100) suggests that per-thread copies cannot keep
+# enough of its bandwidth in flight (benchmarks/NOTES.md, session 36). CONFIG_OVERRIDES["dense_tma"] switches it on.
+_DENSE_DECODE_TMA = None
+
+
+def _dense_tma_config(block_size: int):
+    """The TMA dense decode's configuration for a cache of ``block_size`` tokens per page, or None (the row
+    kernel runs): off by default, and only for pages of at least 64 tokens (a tile is at most one page and
+    at least one wgmma M)."""
+    cfg = CONFIG_OVERRIDES.get("dense_tma", _DENSE_DECODE_TMA)
+    if cfg is None or block_size < 64:
+        return None
+    return (min(cfg[0], block_size),) + tuple(cfg[1:])
+
+
 def _rows_config(HP: int, fp4: bool, paged: bool = True, sparse: bool = True, sm90: bool = True, qfold: bool = False):
     """(BLOCK_N, warps, stages, tiles per program (at most), per-tile index loads, packed ids, register cap or
     None, CTAs per SM or None) of the row kernel (``qfold``: ``QFOLD = 1``); an override may stop after any
@@ -882,6 +957,10 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
         nreq, mb, bt_stride = 1, 1, 0
         kscale = k_scale
         N = kv.shape[0]
+    if paged and not sparse and not fp4 and sm90 and _launch_dense_tma(
+            q, weights, logits, kv, context_lens, block_table, req_indices, block_size, num_cache_blocks,
+            page_stride):
+        return
     cand = candidate_blocks if sparse else dummy
     ncand = candidate_blocks.shape[1] if sparse else 1
     # MXFP4 on SM90: scales folded into the operands, the per-group way where they do not fold (QFOLD = 1)
@@ -897,6 +976,30 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
         HP=HP, D=D, FP4=fp4, PAGED=paged, SPARSE=sparse, HAS_REQ=paged and req_indices is not None,
         BLOCK_N=block_n, TILES=tiles, NUM_STAGES=stages, IDX_LOAD=idx_load, PACK_IDS=pack_ids and sparse,
         DOT_SCALED=dot_scaled, USE_ASM=_USE_ASM, QFOLD=1 if qfold else 0, num_warps=warps, maxnreg=maxnreg)
+
+
+def _launch_dense_tma(q, weights, logits, kv, context_lens, block_table, req_indices, block_size,
+                      num_cache_blocks, page_stride) -> bool:
+    """Launch the TMA dense decode where its configuration is on and the cache suits a TMA view (16-byte
+    aligned base; page stride a multiple of 16, which ``_supports_paged`` already requires); False otherwise."""
+    cfg = _dense_tma_config(block_size)
+    if cfg is None or kv.data_ptr() % 16 != 0:
+        return False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    t, warps, stages, tiles, maxnreg, ctas = cfg
+    R, H, D = q.shape
+    L = logits.shape[1]
+    vals = formats.cache_views(kv, "fp8")[0]
+    kdesc = TensorDescriptor(vals, [num_cache_blocks, block_size, D], [page_stride, D, 1], [1, t, D])
+    nt = _program_tiles(R, L, t, tiles, ctas, q.device)
+    _dense_decode_tma_kernel[(R, triton.cdiv(L, nt * t))](
+        _q_bytes(q), weights, kdesc, kv, context_lens, block_table,
+        req_indices if req_indices is not None else context_lens, logits,
+        H, L, logits.stride(0), block_table.shape[0], block_table.shape[1], block_table.stride(0), num_cache_blocks,
+        formats.log2_block_size(block_size), page_stride, weights.stride(0), nt * t,
+        HP=_heads_pad(H), D=D, HAS_REQ=req_indices is not None, T=t, NUM_STAGES=stages, num_warps=warps,
+        maxnreg=maxnreg)
+    return True
 
 
 def _prefill_dense_config(HP: int, fp4: bool):
