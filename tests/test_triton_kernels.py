@@ -770,21 +770,28 @@ def test_quantize_q(fmt, D, seed, gen):
 # Graph capture after warmup: no compilation, replays follow new data
 # ----------------------------------------------------------------------------------------------------
 
-def _compiled_count():
+def _compiled_count(fns=None):
     n = 0
-    for fn in (ts._rows_kernel, ts._prefill_dense_kernel, ts._prefill_pair_kernel):
+    for fn in fns or (ts._rows_kernel, ts._dense_decode_tma_kernel, ts._prefill_dense_kernel,
+                      ts._prefill_pair_kernel):
         for cache in getattr(fn, "device_caches", {}).values():
             n += len(cache[0])
     return n
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_warmup_then_capture(fmt, seed, gen, paged_backend):
+@pytest.mark.parametrize("fmt,tma", [("fp8", False), ("fp8", True), ("mxfp4", False)],
+                         ids=["fp8", "fp8-tma", "mxfp4"])
+def test_warmup_then_capture(fmt, tma, seed, gen, paged_backend, monkeypatch):
     if INTERPRET:
         pytest.skip("CUDA graphs need the GPU")
+    if tma:  # the TMA dense decode: its descriptor goes into the graph by value
+        if paged_backend != "triton":
+            pytest.skip("the TMA dense decode is a Triton kernel")
+        monkeypatch.setitem(ts.CONFIG_OVERRIDES, "dense_tma", TMA_CONFIGS[0])
     D, H, bs, cbs = 128, 64, 64, 8
     ts.warmup(DEV, H, D, fmt, block_size=bs, cbs=cbs, candidate_slots=16)
     before = _compiled_count()
+    assert (_compiled_count([ts._dense_decode_tma_kernel]) > 0) >= tma, "warmup did not compile the TMA kernel"
     R, nbk, maxb = 4, 16, 8
     kv = formats.allocate_k_cache(40, bs, D, fmt, DEV)
     bt = torch.zeros(R, maxb, dtype=torch.int32, device=DEV)

@@ -877,6 +877,7 @@ _ROW_SPARSE_PREFILL = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, None)
 # on the H200, whose gap to DeepGEMM (0.89-0.92x, none on an H100) suggests that per-thread copies cannot keep
 # enough of its bandwidth in flight (benchmarks/NOTES.md, session 36). CONFIG_OVERRIDES["dense_tma"] switches it on.
 _DENSE_DECODE_TMA = None
+_UNSET = object()
 
 
 def _dense_tma_config(block_size: int):
@@ -1171,9 +1172,22 @@ def warmup(device, num_heads: int, head_dim: int, fmt: str, block_size: int = 64
                         paged_sparse_mqa_logits(qs.q, qs.q_scale, case.kv_cache, w, lens, case.block_table, req,
                                                 cand, cbs, out)
             if "paged_mqa_logits" in ops:
-                for req in (None, torch.arange(T, dtype=torch.int32, device=device)):
-                    paged_mqa_logits(qs.q, qs.q_scale, case.kv_cache, w, lens, case.block_table, req,
-                                     torch.empty(T, 64, dtype=ld, device=device))
+                # With the TMA dense decode on, a cache whose base is not 16-byte aligned still takes the row
+                # kernel: compile both.
+                tma = fmt == "fp8" and _dense_tma_config(block_size) is not None
+                for row_kernel in ((False, True) if tma else (False,)):
+                    saved = CONFIG_OVERRIDES.get("dense_tma", _UNSET)
+                    if row_kernel:
+                        CONFIG_OVERRIDES["dense_tma"] = None
+                    try:
+                        for req in (None, torch.arange(T, dtype=torch.int32, device=device)):
+                            paged_mqa_logits(qs.q, qs.q_scale, case.kv_cache, w, lens, case.block_table, req,
+                                             torch.empty(T, 64, dtype=ld, device=device))
+                    finally:
+                        if saved is _UNSET:
+                            CONFIG_OVERRIDES.pop("dense_tma", None)
+                        else:
+                            CONFIG_OVERRIDES["dense_tma"] = saved
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
