@@ -212,10 +212,11 @@ DENSE_DECODE_SWEEP = [ts._ROW_DENSE_DECODE, (128, 4, 3, 32, True, False, 96, 3),
                       (256, 8, 2, 16, True, False, 96, 2), (128, 4, 2, 32, True, False, 96, None),
                       (128, 8, 2, 32, True, False, 64, 5), ts._ROW_DENSE_DECODE]
 # The same shape through TMA tiles (triton_scoring._dense_decode_tma_kernel; CONFIG_OVERRIDES["dense_tma"]):
-# (tokens per tile, warps, stages, tiles per program, register cap, CTAs per SM), one-page tiles at 64-token pages,
-# deeper pipelines at fewer CTAs per SM (a stage is 8 KB of K).
+# (tokens per tile, warps, stages, loop iterations per program, register cap, CTAs per SM[, tiles per iteration]),
+# one-page tiles at 64-token pages, deeper pipelines at fewer CTAs per SM (a stage is 8 KB of K per tile), and two
+# pages per iteration (128-token steps, as the row kernel's).
 DENSE_TMA_SWEEP = [(64, 4, 3, 64, None, 6), (64, 4, 4, 64, None, 5), (64, 4, 6, 64, None, 3),
-                   (64, 4, 2, 64, None, 8), (64, 4, 4, 64, 96, 5)]
+                   (64, 4, 2, 64, None, 8), (64, 4, 4, 64, 96, 5), (64, 4, 2, 32, 96, 5, 2), (64, 4, 3, 32, 96, 3, 2)]
 
 
 def _sweep(rows, overrides, key, configs, fn, *, op, fmt, shape, floor, nbytes=None, flops=None, check=None,

@@ -196,12 +196,13 @@ def test_paged_mqa_logits(fmt, D, H, seed, gen, paged_backend):
                mag=_mag("paged_mqa_logits", q, qs, kv, w, lens, bt, reqs, like=ref))
 
 
-# (tokens per tile, warps, stages, tiles per program, register cap, CTAs per SM): tiles smaller than a page, a
-# whole page, and few-tile programs (several programs per row), so the page offset and the row tail both vary.
-TMA_CONFIGS = [(64, 4, 3, 32, None, None), (128, 4, 2, 3, None, None)]
+# (tokens per tile, warps, stages, loop iterations per program, register cap, CTAs per SM[, tiles per iteration]):
+# tiles smaller than a page, a whole page, two tiles per iteration, and few-iteration programs (several programs
+# per row), so the page offset and the row tail both vary.
+TMA_CONFIGS = [(64, 4, 3, 32, None, None), (128, 4, 2, 3, None, None), (64, 4, 3, 2, None, None, 2)]
 
 
-@pytest.mark.parametrize("cfg", TMA_CONFIGS, ids=["t64", "t128-3tiles"])
+@pytest.mark.parametrize("cfg", TMA_CONFIGS, ids=["t64", "t128-3tiles", "t64x2-2iters"])
 @pytest.mark.parametrize("D,H", [(128, 64), (128, 8), (64, 32)], ids=["D128-H64", "D128-H8", "D64-H32"])
 def test_paged_mqa_logits_tma(cfg, D, H, seed, gen, monkeypatch):
     """The FP8 dense decode with its K tiles fetched by TMA (``_dense_decode_tma_kernel``, switched on by

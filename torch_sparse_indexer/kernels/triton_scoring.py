@@ -553,10 +553,11 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
 def _dense_decode_tma_kernel(q_ptr, w_ptr, kdesc, kv_ptr, a_ptr, bt_ptr, req_ptr, out_ptr,
                              H, L, OUT_STRIDE, NREQ, MB, BT_STRIDE, NB_CACHE, LBS, PAGE_STRIDE, W_STRIDE, COLS,
                              HP: tl.constexpr, D: tl.constexpr, HAS_REQ: tl.constexpr, T: tl.constexpr,
-                             NUM_STAGES: tl.constexpr):
+                             SUB: tl.constexpr, NUM_STAGES: tl.constexpr):
     """``paged_mqa_logits`` on an FP8 cache, program (row, chunk) as in :func:`_rows_kernel` (``COLS`` a multiple
-    of ``T``), each tile of ``T`` tokens one TMA box ``[1, T, D]`` of the page view ``kdesc`` (``[NB, BS, D]``
-    e4m3, strides ``[PAGE_STRIDE, D, 1]``; ``T <= BS``, so a tile never leaves its page). The copy engine moves
+    of ``SUB * T``), each tile of ``T`` tokens one TMA box ``[1, T, D]`` of the page view ``kdesc`` (``[NB, BS,
+    D]`` e4m3, strides ``[PAGE_STRIDE, D, 1]``; ``T <= BS``, so a tile never leaves its page), ``SUB`` tiles per
+    loop iteration (pages of 64 tokens, 128-token steps as the row kernel takes). The copy engine moves
     whole tiles, so the warps issue no per-thread copies or address arithmetic for K and the pipeline's loads
     stay in flight without occupying the load/store unit's per-thread request slots."""
     BS = 1 << LBS
@@ -581,23 +582,26 @@ def _dense_decode_tma_kernel(q_ptr, w_ptr, kdesc, kv_ptr, a_ptr, bt_ptr, req_ptr
     out_row = out_ptr + row.to(tl.int64) * OUT_STRIDE
     bt_row = bt_ptr + req.to(tl.int64) * BT_STRIDE
     offs = tl.arange(0, T)
-    for c0 in tl.range(c_lo, c_mid, T, num_stages=NUM_STAGES):
-        page = tl.load(bt_row + (c0 >> LBS))
-        pv = (page >= 0) & (page < NB_CACHE)
-        page = tl.where(pv, page, 0)
-        off = c0 & (BS - 1)
-        kb = kdesc.load([page, off, 0]).reshape(T, D)
-        acc = tl.dot(kb, tl.trans(q8))
-        cols = c0 + offs
-        valid = (cols < c_mid) & pv
-        sidx = page.to(tl.int64) * (PAGE_STRIDE // 4) + BS * (D // 4) + off + offs
-        ksc = tl.load(sc_base + sidx, mask=valid, other=0.0)
-        terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wv[None, :]
-        logit = tl.sum(terms, axis=1) * ksc
-        logit = tl.where(valid, logit, float("-inf"))
-        tl.store(out_row + cols, logit.to(out_ptr.dtype.element_ty), mask=cols < c_hi)
+    for c00 in tl.range(c_lo, c_mid, SUB * T, num_stages=NUM_STAGES):
+        for sub in tl.static_range(SUB):
+            c0 = c00 + sub * T
+            # (c0 < c_mid keeps the table read inside the row's pages: c_mid <= n <= MB * BS)
+            page = tl.load(bt_row + (c0 >> LBS), mask=c0 < c_mid, other=-1)
+            pv = (page >= 0) & (page < NB_CACHE)
+            page = tl.where(pv, page, 0)
+            off = c0 & (BS - 1)
+            kb = kdesc.load([page, off, 0]).reshape(T, D)
+            acc = tl.dot(kb, tl.trans(q8))
+            cols = c0 + offs
+            valid = (cols < c_mid) & pv
+            sidx = page.to(tl.int64) * (PAGE_STRIDE // 4) + BS * (D // 4) + off + offs
+            ksc = tl.load(sc_base + sidx, mask=valid, other=0.0)
+            terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wv[None, :]
+            logit = tl.sum(terms, axis=1) * ksc
+            logit = tl.where(valid, logit, float("-inf"))
+            tl.store(out_row + cols, logit.to(out_ptr.dtype.element_ty), mask=cols < c_hi)
     ninf = tl.full((T,), float("-inf"), tl.float32).to(out_ptr.dtype.element_ty)
-    for c0 in range(c_lo + tl.cdiv(c_mid - c_lo, T) * T, c_hi, T):
+    for c0 in range(c_lo + tl.cdiv(c_mid - c_lo, SUB * T) * SUB * T, c_hi, T):
         cols = c0 + offs
         tl.store(out_row + cols, ninf, mask=cols < c_hi)
 
@@ -872,8 +876,8 @@ _ROW_DENSE_DECODE = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, 5)
 _ROW_SPARSE_PREFILL = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, None)
 
 
-# FP8 dense decode through TMA tiles (_dense_decode_tma_kernel): (tokens per tile, warps, stages, tiles per program
-# (at most), register cap or None, CTAs per SM or None). Off (None) until it measures faster than _ROW_DENSE_DECODE
+# FP8 dense decode through TMA tiles (_dense_decode_tma_kernel): (tokens per tile, warps, stages, loop iterations per
+# program (at most), register cap or None, CTAs per SM or None[, tiles per iteration, default 1]). Off (None) until it measures faster than _ROW_DENSE_DECODE
 # on the H200, whose gap to DeepGEMM (0.89-0.92x, none on an H100) suggests that per-thread copies cannot keep
 # enough of its bandwidth in flight (benchmarks/NOTES.md, session 36). CONFIG_OVERRIDES["dense_tma"] switches it on.
 _DENSE_DECODE_TMA = None
@@ -987,19 +991,21 @@ def _launch_dense_tma(q, weights, logits, kv, context_lens, block_table, req_ind
     if cfg is None or kv.data_ptr() % 16 != 0:
         return False
     from triton.tools.tensor_descriptor import TensorDescriptor
-    t, warps, stages, tiles, maxnreg, ctas = cfg
+    t, warps, stages, tiles, maxnreg, ctas = cfg[:6]
+    sub = cfg[6] if len(cfg) > 6 else 1
     R, H, D = q.shape
     L = logits.shape[1]
     vals = formats.cache_views(kv, "fp8")[0]
     kdesc = TensorDescriptor(vals, [num_cache_blocks, block_size, D], [page_stride, D, 1], [1, t, D])
-    nt = _program_tiles(R, L, t, tiles, ctas, q.device)
-    _dense_decode_tma_kernel[(R, triton.cdiv(L, nt * t))](
+    step = sub * t
+    nt = _program_tiles(R, L, step, tiles, ctas, q.device)
+    _dense_decode_tma_kernel[(R, triton.cdiv(L, nt * step))](
         _q_bytes(q), weights, kdesc, kv, context_lens, block_table,
         req_indices if req_indices is not None else context_lens, logits,
         H, L, logits.stride(0), block_table.shape[0], block_table.shape[1], block_table.stride(0), num_cache_blocks,
-        formats.log2_block_size(block_size), page_stride, weights.stride(0), nt * t,
-        HP=_heads_pad(H), D=D, HAS_REQ=req_indices is not None, T=t, NUM_STAGES=stages, num_warps=warps,
-        maxnreg=maxnreg)
+        formats.log2_block_size(block_size), page_stride, weights.stride(0), nt * step,
+        HP=_heads_pad(H), D=D, HAS_REQ=req_indices is not None, T=t, SUB=sub, NUM_STAGES=stages,
+        num_warps=warps, maxnreg=maxnreg)
     return True
 
 
