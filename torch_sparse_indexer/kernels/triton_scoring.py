@@ -320,6 +320,21 @@ def _tile_scores(kv_ptr, koff, sc_ptr, sidx, kmask, q8, qg0, qg1, qg2, qg3, sq0,
 
 
 @triton.jit
+def _paged_row(len_ptr, req_ptr, row, NREQ, MB, LBS, HAS_REQ: tl.constexpr):
+    """A decode row's (context length, request) with the reference's clamping: the length to ``[0, MB << LBS]``,
+    0 for a request index outside the block table (the index is then clamped into the table; nothing is read)."""
+    n = tl.load(len_ptr + row)
+    if HAS_REQ:
+        req = tl.load(req_ptr + row)
+    else:
+        req = row
+    n = tl.minimum(tl.maximum(n, 0), MB << LBS)
+    n = tl.where((req >= 0) & (req < NREQ), n, 0)
+    req = tl.minimum(tl.maximum(req, 0), NREQ - 1)
+    return n, req
+
+
+@triton.jit
 def _load_queries(q_ptr, qs_ptr, qrow, qsidx, qmask, MQ: tl.constexpr, D: tl.constexpr, FP4: tl.constexpr,
                   DOT_SCALED: tl.constexpr, USE_ASM: tl.constexpr):
     """Load the query operand(s) for ``MQ`` query-head rows (see :func:`_tile_scores`)."""
@@ -391,14 +406,7 @@ def _rows_kernel(q_ptr, qs_ptr, w_ptr, kv_ptr, ksc_ptr, a_ptr, b_ptr, bt_ptr, re
     chunk = tl.program_id(1)
     VB: tl.constexpr = D // 2 if FP4 else D
     if PAGED:
-        n = tl.load(a_ptr + row)
-        if HAS_REQ:
-            req = tl.load(req_ptr + row)
-        else:
-            req = row
-        n = tl.minimum(tl.maximum(n, 0), MB << LBS)
-        n = tl.where((req >= 0) & (req < NREQ), n, 0)
-        req = tl.minimum(tl.maximum(req, 0), NREQ - 1)
+        n, req = _paged_row(a_ptr, req_ptr, row, NREQ, MB, LBS, HAS_REQ)
         ks_row = 0
     else:
         ks_row = tl.minimum(tl.maximum(tl.load(a_ptr + row), 0), N)
@@ -563,14 +571,7 @@ def _dense_decode_tma_kernel(q_ptr, w_ptr, kdesc, kv_ptr, a_ptr, bt_ptr, req_ptr
     BS = 1 << LBS
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    n = tl.load(a_ptr + row)
-    if HAS_REQ:
-        req = tl.load(req_ptr + row)
-    else:
-        req = row
-    n = tl.minimum(tl.maximum(n, 0), MB << LBS)
-    n = tl.where((req >= 0) & (req < NREQ), n, 0)
-    req = tl.minimum(tl.maximum(req, 0), NREQ - 1)
+    n, req = _paged_row(a_ptr, req_ptr, row, NREQ, MB, LBS, HAS_REQ)
     h = tl.arange(0, HP)
     hmask = h < H
     q8 = _load_q_fp8(q_ptr, (row.to(tl.int64) * H + h) * D, hmask, D)
