@@ -19,7 +19,7 @@ from torch_sparse_indexer import backends, formats, reference, testing
 triton = pytest.importorskip("triton")
 
 # Developer hook: TRITON_INTERPRET=1 TSI_TEST_DEVICE=cpu runs these tests on the CPU through triton's
-# interpreter (slow; index arithmetic only: the SM90 asm and dot_scaled paths are GPU-only).
+# interpreter (slow; index arithmetic only: the SM90 asm paths are GPU-only).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("TSI_TEST_DEVICE") == "cpu"
 if INTERPRET:
     pytestmark = []
@@ -594,10 +594,9 @@ def test_sparse_prefill_out_of_contract_lists(seed, gen):
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_dot_scaled_path(D, seed, gen, monkeypatch):
-    """The SM100 MXFP4 code path (``tl.dot_scaled``) on this GPU, where triton emulates it: checks its index
-    and scale-byte arithmetic."""
-    if INTERPRET:
-        pytest.skip("the interpreter has no dot_scaled")
+    """The SM100 MXFP4 code path (``tl.dot_scaled``) of every scoring kernel (decode dense and sparse, prefill
+    dense, sparse rows and pairs), on a GPU before SM100 (where triton emulates the scaled MMA) or under the
+    interpreter (CI): checks its index and scale-byte arithmetic, which no SM100 machine has run."""
     monkeypatch.setattr(ts, "_FORCE_DOT_SCALED", True)
     rng = random.Random(seed)
     H, fmt = 32, "mxfp4"
@@ -617,6 +616,24 @@ def test_dot_scaled_path(D, seed, gen, monkeypatch):
     reference.mqa_logits(q, qs, k, ksc, w, ks, ke, ref)
     _check(lambda out: ts.mqa_logits(q, qs, k, ksc, w, ks, ke, out), ref,
            mag=_mag("mqa_logits", q, qs, k, ksc, w, ks, ke, like=ref))
+    cbs = rng.choice(formats.CANDIDATE_BLOCK_SIZES)
+    nbk = rng.randint(1, 12)
+    ns = (ke.clamp(max=N) - ks.clamp(0, N)).clamp(min=0).tolist()
+    cand = _candidates(rng, gen, ns, nbk, cbs, neighbour_share=0.8)
+    ref = torch.empty(T, nbk * cbs, device=DEV)
+    reference.sparse_mqa_logits(q, qs, k, ksc, w, ks, ke, cand, cbs, ref)
+    for pair in (True, False):
+        _check(lambda out: ts._launch_prefill_sparse(q, qs, k, ksc, w, ks, ke, cand, cbs, out, pair), ref,
+               mag=_mag("sparse_mqa_logits", q, qs, k, ksc, w, ks, ke, cand, cbs, like=ref))
+    kv, bt, lens, reqs, R, bs, seq = _paged_case(rng, gen, fmt, D, H)
+    cbs = rng.choice([c for c in formats.CANDIDATE_BLOCK_SIZES if bs % c == 0])
+    q, qs, w = _queries(R, H, D, fmt, gen)
+    ns = [int(n) if 0 <= int(r) < len(seq) else 0 for n, r in zip(lens.tolist(), reqs.tolist())]
+    cand = _candidates(rng, gen, ns, nbk, cbs)
+    ref = torch.empty(R, nbk * cbs, device=DEV)
+    reference.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, ref)
+    _check(lambda out: ts.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, out), ref,
+           mag=_mag("paged_sparse_mqa_logits", q, qs, kv, w, lens, bt, reqs, cand, cbs, like=ref))
 
 
 # ----------------------------------------------------------------------------------------------------
