@@ -594,7 +594,7 @@ def _dense_decode_tma_kernel(q_ptr, w_ptr, kdesc, kv_ptr, a_ptr, bt_ptr, req_ptr
             kb = kdesc.load([page, off, 0]).reshape(T, D)
             acc = tl.dot(kb, tl.trans(q8))
             cols = c0 + offs
-            valid = (cols < c_mid) & pv
+            valid = cols < tl.where(pv, c_mid, c0)  # (a vector-scalar "&" is int32 in triton 3.9's interpreter)
             sidx = page.to(tl.int64) * (PAGE_STRIDE // 4) + BS * (D // 4) + off + offs
             ksc = tl.load(sc_base + sidx, mask=valid, other=0.0)
             terms = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * wv[None, :]
