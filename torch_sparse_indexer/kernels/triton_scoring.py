@@ -42,6 +42,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import backends, formats
 from . import _cudalib
@@ -878,9 +879,10 @@ _ROW_SPARSE_PREFILL = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, None)
 
 
 # FP8 dense decode through TMA tiles (_dense_decode_tma_kernel): (tokens per tile, warps, stages, loop iterations per
-# program (at most), register cap or None, CTAs per SM or None[, tiles per iteration, default 1]). Off (None) until it measures faster than _ROW_DENSE_DECODE
-# on the H200, whose gap to DeepGEMM (0.89-0.92x, none on an H100) suggests that per-thread copies cannot keep
-# enough of its bandwidth in flight (benchmarks/NOTES.md, session 36). CONFIG_OVERRIDES["dense_tma"] switches it on.
+# program (at most), register cap or None, CTAs per SM or None[, tiles per iteration, default 1]). Off (None) until
+# it measures faster than _ROW_DENSE_DECODE on the H200, whose gap to DeepGEMM (0.89-0.92x, none on an H100) may
+# come from per-thread copies keeping too little of its bandwidth in flight (benchmarks/NOTES.md, session 36); on an
+# H100 it runs level with the row kernel, bitwise equal. CONFIG_OVERRIDES["dense_tma"] switches it on.
 _DENSE_DECODE_TMA = None
 _UNSET = object()
 
@@ -991,7 +993,6 @@ def _launch_dense_tma(q, weights, logits, kv, context_lens, block_table, req_ind
     cfg = _dense_tma_config(block_size)
     if cfg is None or kv.data_ptr() % 16 != 0:
         return False
-    from triton.tools.tensor_descriptor import TensorDescriptor
     t, warps, stages, tiles, maxnreg, ctas = cfg[:6]
     sub = cfg[6] if len(cfg) > 6 else 1
     R, H, D = q.shape
