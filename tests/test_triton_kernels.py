@@ -211,14 +211,14 @@ def test_paged_mqa_logits_tma(cfg, D, H, seed, gen, monkeypatch):
     rng = random.Random(seed)
     monkeypatch.setitem(ts.CONFIG_OVERRIDES, "dense_tma", cfg)
     for bs in formats.CACHE_BLOCK_SIZES:
-        kv, bt, lens, reqs, R, _, seq = _paged_case(random.Random(rng.random()), gen, "fp8", D, H, mtp=True)
-        kv = testing.make_paged_cache(seq, bs, D, "fp8", device=DEV, gen=gen,
-                                      max_blocks=max(1, max((n + bs - 1) // bs for n in seq)) + 1)
-        bt = kv.block_table
+        # the rows (lengths, MTP rows, bad request indices) of a random case, on a cache of this block size
+        _, _, lens, reqs, R, _, seq = _paged_case(random.Random(rng.random()), gen, "fp8", D, H, mtp=True)
+        case = testing.make_paged_cache(seq, bs, D, "fp8", device=DEV, gen=gen,
+                                        max_blocks=max(1, max((n + bs - 1) // bs for n in seq)) + 1)
+        kv, bt = case.kv_cache, case.block_table
         if bt.numel() > 1:
             bt.view(-1)[rng.randrange(bt.numel())] = -1  # a hole: those positions score -inf
             bt.view(-1)[rng.randrange(bt.numel())] = 10 ** 6  # a page past the cache: -inf
-        kv = kv.kv_cache
         q, qs, w = _queries(R, H, D, "fp8", gen)
         L = max(1, max(seq) + rng.randint(0, 40))
         ref = torch.empty(R, L, device=DEV)
@@ -809,7 +809,8 @@ def test_warmup_then_capture(fmt, tma, seed, gen, paged_backend, monkeypatch):
     D, H, bs, cbs = 128, 64, 64, 8
     ts.warmup(DEV, H, D, fmt, block_size=bs, cbs=cbs, candidate_slots=16)
     before = _compiled_count()
-    assert (_compiled_count([ts._dense_decode_tma_kernel]) > 0) >= tma, "warmup did not compile the TMA kernel"
+    if tma:
+        assert _compiled_count([ts._dense_decode_tma_kernel]) > 0, "warmup did not compile the TMA kernel"
     R, nbk, maxb = 4, 16, 8
     kv = formats.allocate_k_cache(40, bs, D, fmt, DEV)
     bt = torch.zeros(R, maxb, dtype=torch.int32, device=DEV)
