@@ -125,8 +125,8 @@ def _queries(T, H, D, fmt, gen, wdtype=torch.float32):
     return qs.q, qs.q_scale, qs.weights.to(wdtype)
 
 
-def _paged_case(rng, gen, fmt, D, H, mtp=False):
-    bs = rng.choice(formats.CACHE_BLOCK_SIZES)
+def _paged_case(rng, gen, fmt, D, H, mtp=False, bs=None):
+    bs = bs or rng.choice(formats.CACHE_BLOCK_SIZES)
     nreq = rng.randint(1, 5)
     # lengths: 0, 1, exact page multiples, non-multiples of anything
     seq = [rng.choice([0, 1, bs, bs + 1, rng.randint(1, 3 * bs + 7), rng.randint(1, 700)]) for _ in range(nreq)]
@@ -150,6 +150,31 @@ def _paged_case(rng, gen, fmt, D, H, mtp=False):
     R = len(lens)
     return case.kv_cache, bt, torch.tensor(lens, dtype=torch.int32, device=DEV), \
         torch.tensor(reqs, dtype=torch.int32, device=DEV), R, bs, seq
+
+
+def _sparse_prefill_ref(rng, gen, q, qs, k, ksc, w, ks, ke, max_blocks):
+    """Random candidate lists (1 to ``max_blocks`` blocks of a random size, neighbours sharing 80%) for the prefill
+    rows ``ks/ke`` over ``k``, and the reference ``sparse_mqa_logits`` on them: ``(cand, cbs, ref)``."""
+    N = k.shape[0]
+    cbs = rng.choice(formats.CANDIDATE_BLOCK_SIZES)
+    nbk = rng.randint(1, max_blocks)
+    ns = (ke.clamp(max=N) - ks.clamp(0, N)).clamp(min=0).tolist()
+    cand = _candidates(rng, gen, ns, nbk, cbs, neighbour_share=0.8)
+    ref = torch.empty(ks.shape[0], nbk * cbs, device=DEV)
+    reference.sparse_mqa_logits(q, qs, k, ksc, w, ks, ke, cand, cbs, ref)
+    return cand, cbs, ref
+
+
+def _paged_sparse_ref(rng, gen, q, qs, kv, w, lens, bt, reqs, bs, seq, max_blocks=12):
+    """Random candidate lists (1 to ``max_blocks`` blocks of a size dividing ``bs``) for the decode rows of a
+    ``_paged_case``, and the reference ``paged_sparse_mqa_logits`` on them: ``(cand, cbs, ref)``."""
+    cbs = rng.choice([c for c in formats.CANDIDATE_BLOCK_SIZES if bs % c == 0])
+    nbk = rng.randint(1, max_blocks)
+    ns = [int(n) if 0 <= int(r) < len(seq) else 0 for n, r in zip(lens.tolist(), reqs.tolist())]
+    cand = _candidates(rng, gen, ns, nbk, cbs)
+    ref = torch.empty(lens.shape[0], nbk * cbs, device=DEV)
+    reference.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, ref)
+    return cand, cbs, ref
 
 
 def _candidates(rng, gen, ns, num_blocks, cbs, neighbour_share=None):
@@ -211,14 +236,7 @@ def test_paged_mqa_logits_tma(cfg, D, H, seed, gen, monkeypatch):
     rng = random.Random(seed)
     monkeypatch.setitem(ts.CONFIG_OVERRIDES, "dense_tma", cfg)
     for bs in formats.CACHE_BLOCK_SIZES:
-        # the rows (lengths, MTP rows, bad request indices) of a random case, on a cache of this block size
-        _, _, lens, reqs, R, _, seq = _paged_case(random.Random(rng.random()), gen, "fp8", D, H, mtp=True)
-        case = testing.make_paged_cache(seq, bs, D, "fp8", device=DEV, gen=gen,
-                                        max_blocks=max(1, max((n + bs - 1) // bs for n in seq)) + 1)
-        kv, bt = case.kv_cache, case.block_table
-        if bt.numel() > 1:
-            bt.view(-1)[rng.randrange(bt.numel())] = -1  # a hole: those positions score -inf
-            bt.view(-1)[rng.randrange(bt.numel())] = 10 ** 6  # a page past the cache: -inf
+        kv, bt, lens, reqs, R, _, seq = _paged_case(rng, gen, "fp8", D, H, mtp=True, bs=bs)
         q, qs, w = _queries(R, H, D, "fp8", gen)
         L = max(1, max(seq) + rng.randint(0, 40))
         ref = torch.empty(R, L, device=DEV)
@@ -233,13 +251,8 @@ def test_paged_mqa_logits_tma(cfg, D, H, seed, gen, monkeypatch):
 def test_paged_sparse_mqa_logits(fmt, D, H, seed, gen, paged_backend):
     rng = random.Random(seed)
     kv, bt, lens, reqs, R, bs, seq = _paged_case(rng, gen, fmt, D, H, mtp=True)
-    cbs = rng.choice([c for c in formats.CANDIDATE_BLOCK_SIZES if bs % c == 0])
     q, qs, w = _queries(R, H, D, fmt, gen)
-    nbk = rng.randint(1, 12)
-    ns = [int(n) if 0 <= int(r) < len(seq) else 0 for n, r in zip(lens.tolist(), reqs.tolist())]
-    cand = _candidates(rng, gen, ns, nbk, cbs)
-    ref = torch.empty(R, nbk * cbs, device=DEV)
-    reference.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, ref)
+    cand, cbs, ref = _paged_sparse_ref(rng, gen, q, qs, kv, w, lens, bt, reqs, bs, seq)
     with _paged(paged_backend):
         _check(lambda out: ops.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, out), ref,
                mag=_mag("paged_sparse_mqa_logits", q, qs, kv, w, lens, bt, reqs, cand, cbs, like=ref))
@@ -558,12 +571,7 @@ def test_sparse_mqa_logits(fmt, D, H, pair, seed, gen):
     T = ks.shape[0]
     k, ksc = testing.make_packed_k(N, D, fmt, device=DEV, gen=gen)
     q, qs, w = _queries(T, H, D, fmt, gen)
-    cbs = rng.choice(formats.CANDIDATE_BLOCK_SIZES)
-    nbk = rng.randint(1, 20)
-    ns = (ke.clamp(max=N) - ks.clamp(0, N)).clamp(min=0).tolist()
-    cand = _candidates(rng, gen, ns, nbk, cbs, neighbour_share=0.8)
-    ref = torch.empty(T, nbk * cbs, device=DEV)
-    reference.sparse_mqa_logits(q, qs, k, ksc, w, ks, ke, cand, cbs, ref)
+    cand, cbs, ref = _sparse_prefill_ref(rng, gen, q, qs, k, ksc, w, ks, ke, 20)
     if H > 64 and pair:
         pytest.skip("pairs are used up to 64 (padded) heads")
     _check(lambda out: ts._launch_prefill_sparse(q, qs, k, ksc, w, ks, ke, cand, cbs, out, pair), ref,
@@ -616,22 +624,13 @@ def test_dot_scaled_path(D, seed, gen, monkeypatch):
     reference.mqa_logits(q, qs, k, ksc, w, ks, ke, ref)
     _check(lambda out: ts.mqa_logits(q, qs, k, ksc, w, ks, ke, out), ref,
            mag=_mag("mqa_logits", q, qs, k, ksc, w, ks, ke, like=ref))
-    cbs = rng.choice(formats.CANDIDATE_BLOCK_SIZES)
-    nbk = rng.randint(1, 12)
-    ns = (ke.clamp(max=N) - ks.clamp(0, N)).clamp(min=0).tolist()
-    cand = _candidates(rng, gen, ns, nbk, cbs, neighbour_share=0.8)
-    ref = torch.empty(T, nbk * cbs, device=DEV)
-    reference.sparse_mqa_logits(q, qs, k, ksc, w, ks, ke, cand, cbs, ref)
+    cand, cbs, ref = _sparse_prefill_ref(rng, gen, q, qs, k, ksc, w, ks, ke, 12)
     for pair in (True, False):
         _check(lambda out: ts._launch_prefill_sparse(q, qs, k, ksc, w, ks, ke, cand, cbs, out, pair), ref,
                mag=_mag("sparse_mqa_logits", q, qs, k, ksc, w, ks, ke, cand, cbs, like=ref))
     kv, bt, lens, reqs, R, bs, seq = _paged_case(rng, gen, fmt, D, H)
-    cbs = rng.choice([c for c in formats.CANDIDATE_BLOCK_SIZES if bs % c == 0])
     q, qs, w = _queries(R, H, D, fmt, gen)
-    ns = [int(n) if 0 <= int(r) < len(seq) else 0 for n, r in zip(lens.tolist(), reqs.tolist())]
-    cand = _candidates(rng, gen, ns, nbk, cbs)
-    ref = torch.empty(R, nbk * cbs, device=DEV)
-    reference.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, ref)
+    cand, cbs, ref = _paged_sparse_ref(rng, gen, q, qs, kv, w, lens, bt, reqs, bs, seq)
     _check(lambda out: ts.paged_sparse_mqa_logits(q, qs, kv, w, lens, bt, reqs, cand, cbs, out), ref,
            mag=_mag("paged_sparse_mqa_logits", q, qs, kv, w, lens, bt, reqs, cand, cbs, like=ref))
 

@@ -884,7 +884,6 @@ _ROW_SPARSE_PREFILL = (128, 4, 2, 2 * _ROW_TILES, True, False, 96, None)
 # come from per-thread copies keeping too little of its bandwidth in flight (benchmarks/NOTES.md, session 36); on an
 # H100 it runs level with the row kernel, bitwise equal. CONFIG_OVERRIDES["dense_tma"] switches it on.
 _DENSE_DECODE_TMA = None
-_UNSET = object()
 
 
 def _dense_tma_config(block_size: int):
@@ -941,7 +940,7 @@ def _q_bytes(q):
 
 def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale=None, ks=None, ke=None,
                  context_lens=None, block_table=None, req_indices=None, candidate_blocks=None, cbs=1,
-                 block_size=1, num_cache_blocks=1, page_stride=0):
+                 block_size=1, num_cache_blocks=1, page_stride=0, tma=True):
     fp4 = q.dtype != formats.FP8_DTYPE
     R, H, dq = q.shape
     D = dq * 2 if fp4 else dq
@@ -965,7 +964,7 @@ def _launch_rows(q, q_scale, weights, logits, *, paged, sparse, kv=None, k_scale
         nreq, mb, bt_stride = 1, 1, 0
         kscale = k_scale
         N = kv.shape[0]
-    if paged and not sparse and not fp4 and sm90 and _launch_dense_tma(
+    if tma and paged and not sparse and not fp4 and sm90 and _launch_dense_tma(
             q, weights, logits, kv, context_lens, block_table, req_indices, block_size, num_cache_blocks,
             page_stride):
         return
@@ -1096,11 +1095,12 @@ def sparse_mqa_logits(q, q_scale, k, k_scale, weights, ks, ke, candidate_blocks,
     _launch_prefill_sparse(q, q_scale, k, k_scale, weights, ks, ke, candidate_blocks, cbs, logits)
 
 
-def paged_mqa_logits(q, q_scale, kv_cache, weights, context_lens, block_table, req_indices, logits):
+def paged_mqa_logits(q, q_scale, kv_cache, weights, context_lens, block_table, req_indices, logits, *, tma=True):
+    """``tma=False`` keeps the row kernel even where the TMA dense decode is on (``warmup`` compiles both)."""
     kv, nb, bs, stride = _cache_geometry(kv_cache)
     _launch_rows(q, q_scale, weights, logits, paged=True, sparse=False, kv=kv, context_lens=context_lens,
                  block_table=block_table, req_indices=req_indices, block_size=bs, num_cache_blocks=nb,
-                 page_stride=stride)
+                 page_stride=stride, tma=tma)
 
 
 def paged_sparse_mqa_logits(q, q_scale, kv_cache, weights, context_lens, block_table, req_indices,
@@ -1182,20 +1182,11 @@ def warmup(device, num_heads: int, head_dim: int, fmt: str, block_size: int = 64
             if "paged_mqa_logits" in ops:
                 # With the TMA dense decode on, a cache whose base is not 16-byte aligned still takes the row
                 # kernel: compile both.
-                tma = fmt == "fp8" and _dense_tma_config(block_size) is not None
-                for row_kernel in ((False, True) if tma else (False,)):
-                    saved = CONFIG_OVERRIDES.get("dense_tma", _UNSET)
-                    if row_kernel:
-                        CONFIG_OVERRIDES["dense_tma"] = None
-                    try:
-                        for req in (None, torch.arange(T, dtype=torch.int32, device=device)):
-                            paged_mqa_logits(qs.q, qs.q_scale, case.kv_cache, w, lens, case.block_table, req,
-                                             torch.empty(T, 64, dtype=ld, device=device))
-                    finally:
-                        if saved is _UNSET:
-                            CONFIG_OVERRIDES.pop("dense_tma", None)
-                        else:
-                            CONFIG_OVERRIDES["dense_tma"] = saved
+                both = fmt == "fp8" and _dense_tma_config(block_size) is not None
+                for tma in ((True, False) if both else (True,)):
+                    for req in (None, torch.arange(T, dtype=torch.int32, device=device)):
+                        paged_mqa_logits(qs.q, qs.q_scale, case.kv_cache, w, lens, case.block_table, req,
+                                         torch.empty(T, 64, dtype=ld, device=device), tma=tma)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
