@@ -3,7 +3,8 @@
 # ".deps/deepgemm"]. On any GPU, unless SKIP_TESTS=1: the TMA dense decode's tests and the warmup/capture test.
 # On an H200 only: the TMA bulk-read probe, the scoring suite's decode section (TMA rows, row kernel
 #   configurations, DeepGEMM raw, one process), the DeepGEMM suite (_agreement), and the top-k head-prefetch variants.
-# On any GPU, last, unless ABLATE=0: the histogram-atomics ablation of the shared-memory top-k rows (hist_x2).
+# On any GPU, last, unless ABLATE=0: the histogram-atomics ablation of the shared-memory top-k rows (hist_x2) and
+#   the split histogram (hist_split).
 # Everything lands in $OUT/logs (packed into $OUT/logs.tgz) and $OUT/summary.txt.
 set -u
 source "$(dirname "$0")/device_common.sh"
@@ -34,9 +35,9 @@ if [ "${SKIP_TESTS:-0}" != 1 ] && fits 200 tests; then
   log "tests rc=$? $(tail -n 1 "$L/tests.log")"
 fi
 ablate() {  # the shared-memory rows' histogram-atomics ablation (variant hist_x2; NOTES.md, session 37)
-  if [ -f torch_sparse_indexer/_C/variant_hist_x2.so ] && fits 200 "hist_x2"; then
-    OUT=$OUT/ablate VARIANTS=hist_x2 TARGETS=smem FLUSHES=write BUDGET=$((BUDGET - SECONDS)) \
-      timeout 200 bash benchmarks/gpu_decode_sweep.sh > "$L/hist_x2.log" 2>&1
+  if [ -f torch_sparse_indexer/_C/variant_hist_x2.so ] && fits 260 "hist_x2"; then
+    OUT=$OUT/ablate VARIANTS="hist_x2 hist_split" TARGETS=smem FLUSHES=write BUDGET=$((BUDGET - SECONDS)) \
+      timeout 260 bash benchmarks/gpu_decode_sweep.sh > "$L/hist_x2.log" 2>&1
     log "hist_x2 rc=$?"; cat "$L/hist_x2.log" >> "$S"
   fi
 }
