@@ -14,7 +14,7 @@ mkdir -p "$OUT/logs"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm --format=csv | tee "$OUT/logs/env.txt"
 decode=1 smem=0 secs=40
 [ "${TARGETS:-decode}" = all ] && decode="" secs=90
-[ "${TARGETS:-decode}" = smem ] && decode="" smem=1 secs=60
+[ "${TARGETS:-decode}" = smem ] && decode="" smem=1 secs=80
 one() {  # name library [flushes]
   for fl in ${3:-${FLUSHES:-write read}}; do
     fits $secs "$1 $fl" || return 0

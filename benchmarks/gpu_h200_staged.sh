@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The list staged after session 36 (benchmarks/NOTES.md), as one device call. Carry [".carry", ".whl",
-# ".deps/deepgemm"]. On any GPU, unless SKIP_TESTS=1: the TMA dense decode's tests and the warmup/capture test.
-# On an H200 only: the TMA bulk-read probe, the scoring suite's decode section (TMA rows, row kernel
-#   configurations, DeepGEMM raw, one process), the DeepGEMM suite (_agreement), and the top-k head-prefetch variants.
-# On any GPU, last, unless ABLATE=0: the histogram-atomics ablation of the shared-memory top-k rows (hist_x2) and
-#   the split histogram (hist_split).
+# Session 37's staged device call (benchmarks/NOTES.md, "Session 37"). Carry [".carry", ".whl", ".deps/deepgemm"].
+# In order, each step only while it fits BUDGET (device_common.sh's `fits`):
+#   any GPU:      tests/test_topk_cuda.py whole (the sparse rows' merged decrements), unless SKIP_TESTS=1
+#   an H200 only: the scoring suite's decode section (TMA dense decode rows, row kernel configurations, DeepGEMM's
+#                 raw kernel in the same process; DeepGEMM is built in the background from the start)
+#   any GPU:      the shared-memory top-k rows on the default and on variant_fixup_serial (the old decrements),
+#                 default again, write flush, unless FIXUP=0
+#   an H200 only: the TMA bulk-read probe, the DeepGEMM suite (_agreement), the top-k head-prefetch variants
 # Everything lands in $OUT/logs (packed into $OUT/logs.tgz) and $OUT/summary.txt.
 set -u
 source "$(dirname "$0")/device_common.sh"
@@ -27,41 +29,43 @@ if [ $h200 = 1 ] && [ -f .deps/deepgemm/deepgemm-build.sh ]; then
   ( nice -n 10 bash .deps/deepgemm/deepgemm-build.sh .deps/deepgemm > "$L/deepgemm_build.log" 2>&1 ) &
   DG_PID=$!
 fi
-
-if [ "${SKIP_TESTS:-0}" != 1 ] && fits 200 tests; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE \
-    tests/test_triton_kernels.py::test_paged_mqa_logits_tma tests/test_triton_kernels.py::test_warmup_then_capture \
-    > "$L/tests.log" 2>&1
-  log "tests rc=$? $(tail -n 1 "$L/tests.log")"
-fi
-ablate() {  # the shared-memory rows' histogram-atomics ablation (variant hist_x2; NOTES.md, session 37)
-  if [ -f torch_sparse_indexer/_C/variant_hist_x2.so ] && fits 260 "hist_x2"; then
-    OUT=$OUT/ablate VARIANTS="hist_x2 hist_split" TARGETS=smem FLUSHES=write BUDGET=$((BUDGET - SECONDS)) \
-      timeout 260 bash benchmarks/gpu_decode_sweep.sh > "$L/hist_x2.log" 2>&1
-    log "hist_x2 rc=$?"; cat "$L/hist_x2.log" >> "$S"
+join_dg() {
+  [ -n "$DG_PID" ] || return 0
+  wait "$DG_PID"; DG_PID=""
+  if [ -d /tmp/deepgemm-site ]; then
+    export PYTHONPATH=/tmp/deepgemm-site:$PYTHONPATH LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6
+    log "deepgemm built"
+  else
+    log "deepgemm build failed: $(tail -n 3 "$L/deepgemm_build.log")"
   fi
 }
-[ $h200 = 1 ] || { [ "${ABLATE:-1}" = 1 ] && ablate; log "not an H200: stopping"; exit 0; }
 
+if [ "${SKIP_TESTS:-0}" != 1 ] && fits 200 "topk tests"; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_topk_cuda.py > "$L/topk_tests.log" 2>&1
+  log "topk tests rc=$? $(tail -n 1 "$L/topk_tests.log")"
+fi
+
+if [ $h200 = 1 ]; then
+  join_dg
+  if fits 150 "scoring decode"; then
+    TSI_BENCH_ONLY=decode timeout 150 python3 benchmarks/bench.py --suite scoring --out "$OUT/scoring" \
+      > "$L/scoring_decode.log" 2>&1
+    log "scoring decode rc=$?"
+    grep "ctx131072" "$L/scoring_decode.log" | grep "fp8" | grep "paged_mqa_logits " | cut -c1-140 >> "$S"
+  fi
+fi
+
+if [ "${FIXUP:-1}" = 1 ] && [ -f torch_sparse_indexer/_C/variant_fixup_serial.so ] && fits 270 "fixup sweep"; then
+  OUT=$OUT/fixup VARIANTS=fixup_serial TARGETS=smem FLUSHES=write BUDGET=$((BUDGET - SECONDS)) \
+    timeout 270 bash benchmarks/gpu_decode_sweep.sh > "$L/fixup.log" 2>&1
+  log "fixup sweep rc=$?"; grep -v "CTA\]" "$L/fixup.log" >> "$S"
+fi
+
+[ $h200 = 1 ] || { log "not an H200: done"; exit 0; }
 if [ -x .carry/bulk_read_probe ] && fits 60 probe; then
   timeout 30 .carry/bulk_read_probe > "$L/probe.txt" 2>&1
   timeout 30 .carry/bulk_read_probe clean > "$L/probe_clean.txt" 2>&1
   log "probe done"; cat "$L/probe.txt" "$L/probe_clean.txt" >> "$S"
-fi
-
-wait "$DG_PID"
-if [ -d /tmp/deepgemm-site ]; then
-  export PYTHONPATH=/tmp/deepgemm-site:$PYTHONPATH LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6
-  log "deepgemm built"
-else
-  log "deepgemm build failed: $(tail -n 3 "$L/deepgemm_build.log")"
-fi
-
-if fits 150 "scoring decode"; then
-  TSI_BENCH_ONLY=decode timeout 150 python3 benchmarks/bench.py --suite scoring --out "$OUT/scoring" \
-    > "$L/scoring_decode.log" 2>&1
-  log "scoring decode rc=$?"
-  grep "ctx131072" "$L/scoring_decode.log" | grep "fp8" | grep "paged_mqa_logits " | cut -c1-140 >> "$S"
 fi
 if fits 90 deepgemm; then
   timeout 90 python3 benchmarks/bench.py --suite deepgemm --out "$OUT/deepgemm" > "$L/deepgemm_suite.log" 2>&1
@@ -73,5 +77,4 @@ if fits 200 "topk prefetch"; then
     timeout 200 bash benchmarks/gpu_decode_sweep.sh > "$L/topk_sweep.log" 2>&1
   log "topk sweep rc=$?"; cat "$L/topk_sweep.log" >> "$S"
 fi
-[ "${ABLATE:-1}" = 1 ] && ablate
 log "elapsed"

@@ -232,20 +232,29 @@ def _alt_row(op, shape, k, ours, out, expected, cuda, impl, modes):
                          x_torch=cuda["x_torch"] * cuda["time_us"] / t_alt, check=chk)
 
 
-def _sparse_case(R, nb, cbs, k, gen):
+def _sparse_case(R, nb, cbs, k, gen, short=False):
+    """``short``: a 4099-token request (513 candidate blocks, the last cut), the rest of each list -1, and -inf
+    in the invalid columns as the scorer writes them (the rows' fix-up of invalid columns)."""
     W = nb * cbs
     x = torch.randn(R, W, generator=gen).to(DEV)
-    # Neighbouring query rows see mostly the same blocks of one long request: ascending distinct ids.
-    blocks = torch.sort(torch.randperm(16 * nb, generator=gen)[:nb]).values.to(torch.int32)
+    if short:
+        ctx = 4096 + 3
+        nv = -(-ctx // cbs)
+        blocks = torch.cat([torch.arange(nv), torch.full((nb - nv,), -1)]).to(torch.int32)
+        lens = torch.full((R,), ctx, dtype=torch.int32, device=DEV)
+        x[:, ctx:] = float("-inf")
+    else:
+        # Neighbouring query rows see mostly the same blocks of one long request: ascending distinct ids.
+        blocks = torch.sort(torch.randperm(16 * nb, generator=gen)[:nb]).values.to(torch.int32)
+        lens = torch.full((R,), 16 * nb * cbs, dtype=torch.int32, device=DEV)
     blocks = blocks[None].expand(R, nb).contiguous().to(DEV)
-    lens = torch.full((R,), 16 * nb * cbs, dtype=torch.int32, device=DEV)
     out = torch.empty(R, k, dtype=torch.int32, device=DEV)
     ours = lambda: ct.sparse_topk(x, blocks, cbs, lens, k, out)  # noqa: E731
     ours()
     expected = _expected(lambda e, r: reference.sparse_topk(x[:r], blocks[:r], cbs, lens[:r], k, e), out)
     check = _check(out, expected)
-    valid = lens  # every candidate column is valid here: the plain topk is the fair torch equivalent
-    shape = f"{R}x{nb}blk*{cbs}"
+    valid = lens  # the valid columns are a prefix here: the masked topk is the fair torch equivalent
+    shape = f"{R}x{nb}blk*{cbs}" + (" short" if short else "")
     rows = _rows("sparse_topk", shape, k, x, ours, lambda: torch.topk(_mask(x, valid), k, dim=1),
                  lambda: torch.topk(x, k, dim=1), check)
     for impl, modes in _tri_alts(W, k):
@@ -297,6 +306,7 @@ def run(args) -> list[dict]:
         for pattern in ("all_equal", "neg_inf_half"):
             rows += _topk_case(R, 16384, 2048, torch.float32, gen, pattern)
         rows += _sparse_case(R, 2048, 8, 2048, gen)
+        rows += _sparse_case(R, 2048, 8, 2048, gen, short=True)
         if not SMEM_ONLY:
             rows += _topk_case(R, K128, 2048, torch.float32, gen)
             if not TARGETS_ONLY:

@@ -1323,6 +1323,34 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// Histogram decrements, for columns counted by the load and then taken out again (a sparse row's invalid columns).
+// A decrement compiles to ATOMS.ADD, which serialises the lanes of a warp on one address; only increments are
+// aggregated in hardware (ATOMS.POPC.INC: run 153). The columns taken out mostly share one bin (the scorer writes
+// -inf there), so each thread sums its decrements per run of equal bins, and flush() sends the warp's runs on its
+// first pending bin as one atomic.
+struct DecRuns {
+  uint32_t bin = 0u, n = 0u;  // the pending run
+  __device__ __forceinline__ void add(Smem& sm, uint32_t b) {
+    if (b != bin) {
+      if (n != 0u) atomicAdd(&sm.hist[bin], 0u - n);
+      bin = b;
+      n = 0u;
+    }
+    ++n;
+  }
+  // Every lane of the warp calls it.
+  __device__ __forceinline__ void flush(Smem& sm) {
+    const uint32_t pending = __ballot_sync(FULL, n != 0u);
+    if (pending == 0u) return;  // the same for the whole warp
+    const int first = __ffs((int)pending) - 1;
+    const uint32_t lb = __shfl_sync(FULL, bin, first);
+    const bool merged = n != 0u && bin == lb;
+    const uint32_t sum = __reduce_add_sync(FULL, merged ? n : 0u);
+    if (n != 0u && !merged) atomicAdd(&sm.hist[bin], 0u - n);
+    if ((int)(threadIdx.x & 31u) == first) atomicAdd(&sm.hist[lb], 0u - sum);
+  }
+};
+
 // keys_to_smem for fp32 rows whose element 0 is 16-byte aligned (dense rows, and sparse rows: SparseTabSrc):
 // every chunk of 4 scores inside the row is copied straight into its key slot by cp.async, the whole row at once
 // (64 KB in flight per CTA instead of two 16-byte tiles per thread through registers: the streamed load was bound
@@ -1419,16 +1447,18 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
     // become "no element" and leave the histogram: a pass over the row's block table instead of a validity test
     // per chunk (most rows have no such column, or a few). The partial last chunk (thread 0) is already exact.
     const int ncopied = 4 * nfull;
+    DecRuns dec;
     for (int b = tid; b < src.nb; b += THREADS) {
       const int v = src.tv[b];
       if (v < src.cbs) {
         const int end = (b + 1) << src.lcbs < ncopied ? (b + 1) << src.lcbs : ncopied;
         for (int i = (b << src.lcbs) + v; i < end; ++i) {
-          atomicAdd(&sm.hist[K[kslot(i)] >> 21], 0xffffffffu);  // (minus one)
+          dec.add(sm, K[kslot(i)] >> 21);
           K[kslot(i)] = 0u;
         }
       }
     }
+    dec.flush(sm);
     __syncthreads();
   }
 }
@@ -2405,6 +2435,7 @@ __device__ void tri_load(Smem& sm, const Src& src, uint16_t* K16) {
   }
   for (int i = m + tid; i < round32(m); i += THREADS) K16[k16_slot(i)] = 0;
   if constexpr (Src::KIND == SPARSE) {  // m = nblk * cbs: no partial chunk
+    DecRuns dec;
 #pragma unroll
     for (int j = 0; j < NBT; ++j) {
       const int b = j * THREADS + tid;
@@ -2412,10 +2443,11 @@ __device__ void tri_load(Smem& sm, const Src& src, uint16_t* K16) {
       const int end = (b + 1) << src.lcbs < m ? (b + 1) << src.lcbs : m;
       for (int i = (b << src.lcbs) + v; i < end; ++i) {
         uint16_t& k = K16[k16_slot(i)];
-        atomicAdd(&sm.hist[k >> 5], 0xffffffffu);  // (minus one)
+        dec.add(sm, k >> 5);
         k = 0;
       }
     }
+    dec.flush(sm);
   }
   __syncthreads();
 }

@@ -479,6 +479,30 @@ def test_sparse_topk(dtype, cbs, nb_width, holes, gen):
         _assert_same(a, b, f"sparse {dtype} cbs={cbs} nb={nb} k={k} holes={holes}")
 
 
+@pytest.mark.parametrize("cbs", [8, 64])
+@pytest.mark.parametrize("garbage", ["neg_inf", "one_value", "spread", "nan"])
+def test_sparse_topk_invalid_columns(cbs, garbage, gen):
+    """Shared-memory rows whose candidate lists are mostly -1 (short contexts), with -1 holes and a partial last
+    block: their invalid columns must leave the coarse histogram exactly. Their scores all in one bin (-inf, as
+    the scorer writes; one value; NaN, whose key is in bin 0) take the merged decrements (per run, then one
+    atomic per warp); spread over many bins, the per-run and per-lane ones."""
+    R, nb = 8, W_SMEM // cbs
+    width = nb * cbs
+    # valid columns between ~k and the whole row, lengths not multiples of cbs (the cut block)
+    lens = [width, width - 3, width // 2 + 5, width // 3 + 1, width // 4 + 7, 200 + 3, 130, 70]
+    blocks = testing.random_candidates(lens, nb, cbs, gen=gen)
+    drop = (torch.rand(blocks.shape, generator=gen) < 0.15) & (torch.arange(nb) % 5 != 0)
+    blocks = torch.where(drop, torch.full_like(blocks, -1), blocks)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    _, valid = reference._sparse_positions(blocks, cbs, lens.long())
+    bad = {"neg_inf": torch.full((R, width), float("-inf")), "one_value": torch.full((R, width), 10.5),
+           "spread": torch.randn(R, width, generator=gen) * 1e4, "nan": torch.full((R, width), float("nan"))}
+    x = torch.where(valid, torch.randn(R, width, generator=gen), bad[garbage])
+    for k in sorted({1, min(64, MAXK)}):
+        a, b = _run_sparse(x.to(DEV), blocks.to(DEV), cbs, lens.to(DEV), k)
+        _assert_same(a, b, f"sparse invalid columns {garbage} cbs={cbs} k={k}")
+
+
 @pytest.mark.parametrize("pattern", ["few_values", "one_bin", "specials", "all_equal"])
 def test_sparse_topk_ties(pattern, gen, sampled):
     cbs = 16
