@@ -29,21 +29,9 @@ export PYTHONPATH=/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}
 pack() { tar czf "$OUT/logs.tgz" -C "$OUT" logs $(cd "$OUT" && ls *.csv *.png 2>/dev/null); }
 trap pack EXIT
 
-DG_PID=""
-if [ -f .deps/deepgemm/deepgemm-build.sh ] && [ "${SKIP_DEEPGEMM:-0}" != 1 ]; then
-  ( nice -n 10 bash .deps/deepgemm/deepgemm-build.sh .deps/deepgemm > "$L/deepgemm_build.log" 2>&1 ) &
-  DG_PID=$!
-fi
-join_dg() {
-  [ -n "$DG_PID" ] || return 0
-  wait "$DG_PID"; DG_PID=""
-  if [ -d /tmp/deepgemm-site ]; then
-    export PYTHONPATH=/tmp/deepgemm-site:$PYTHONPATH LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6
-    el "deepgemm built: $(tail -n 2 "$L/deepgemm_build.log" | head -n 1)"
-  else
-    el "deepgemm build failed: $(tail -n 3 "$L/deepgemm_build.log")"
-  fi
-}
+source "$(dirname "$0")/deepgemm_bg.sh"
+[ "${SKIP_DEEPGEMM:-0}" = 1 ] || dg_start "$L/deepgemm_build.log"
+join_dg() { dg_join; [ -z "$DG_MSG" ] || el "$DG_MSG"; }
 
 { [ -f torch_sparse_indexer/_C/libsparse_indexer_topk.so ] && [ -f torch_sparse_indexer/_C/libsparse_indexer_scoring.so ]; } \
   || bash csrc/build.sh > "$L/cuda_build.log" 2>&1

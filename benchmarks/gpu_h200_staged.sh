@@ -24,21 +24,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,power.draw,temper
 log "gpu: $gpu"
 h200=0; [[ $gpu == *H200* ]] && h200=1
 
-DG_PID=""
-if [ $h200 = 1 ] && [ -f .deps/deepgemm/deepgemm-build.sh ]; then
-  ( nice -n 10 bash .deps/deepgemm/deepgemm-build.sh .deps/deepgemm > "$L/deepgemm_build.log" 2>&1 ) &
-  DG_PID=$!
-fi
-join_dg() {
-  [ -n "$DG_PID" ] || return 0
-  wait "$DG_PID"; DG_PID=""
-  if [ -d /tmp/deepgemm-site ]; then
-    export PYTHONPATH=/tmp/deepgemm-site:$PYTHONPATH LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6
-    log "deepgemm built"
-  else
-    log "deepgemm build failed: $(tail -n 3 "$L/deepgemm_build.log")"
-  fi
-}
+source "$(dirname "$0")/deepgemm_bg.sh"
+[ $h200 = 1 ] && dg_start "$L/deepgemm_build.log"
+join_dg() { dg_join; [ -z "$DG_MSG" ] || log "$DG_MSG"; }
 
 if [ "${SKIP_TESTS:-0}" != 1 ] && fits 200 "topk tests"; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_topk_cuda.py > "$L/topk_tests.log" 2>&1
