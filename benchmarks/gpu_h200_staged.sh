@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 37's staged device call (benchmarks/NOTES.md, "Session 37"). Carry [".carry", ".whl", ".deps/deepgemm"].
+# The staged device call after session 37 (benchmarks/NOTES.md, "Staged ... after session 37"). Carry [".carry", ".whl", ".deps/deepgemm"].
 # In order, each step only while it fits BUDGET (device_common.sh's `fits`):
 #   any GPU:      tests/test_topk_cuda.py whole (the sparse rows' merged decrements), unless SKIP_TESTS=1
 #   an H200 only: the scoring suite's decode section (TMA dense decode rows, row kernel configurations, DeepGEMM's
