@@ -1448,52 +1448,45 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   }
   // Chunk u of this thread sits u * THREADS groups after its first (as for the copies). Threads whose chunks all lie
   // inside the row (all but the last few) convert them without a bounds test, so the conversion is straight-line code.
-  auto wait_group = [&](int g) {
-    if (g == 0) cp_async_wait<G - 1>();
-    else if (g == 1) cp_async_wait<(G > 1 ? G - 2 : 0)>();
-    else if (g == 2) cp_async_wait<(G > 2 ? G - 3 : 0)>();
-    else cp_async_wait<0>();
-  };
-  auto convert = [&](bool check) {
+  auto as_landed = [&](auto&& f) {  // f(u) for each chunk u of this thread, as its commit group lands
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      wait_group(g);
+      if (g == 0) cp_async_wait<G - 1>();
+      else if (g == 1) cp_async_wait<(G > 1 ? G - 2 : 0)>();
+      else if (g == 2) cp_async_wait<(G > 2 ? G - 3 : 0)>();
+      else cp_async_wait<0>();
 #pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int u = g * PER + j;
-        if (!check || u * THREADS + tid < nfull) {
-          uint4* q = q0 + u * THREADS;
-          uint4 v = *q;
-          // Every column as an element (a sparse row's invalid ones are taken out below, after the barrier).
-          v.x = f32_key(v.x); v.y = f32_key(v.y); v.z = f32_key(v.z); v.w = f32_key(v.w);
-          *q = v;
-          atomicAdd(&sm.hist[v.x >> 21], 1u);
-          atomicAdd(&sm.hist[v.y >> 21], 1u);
-          atomicAdd(&sm.hist[v.z >> 21], 1u);
-          atomicAdd(&sm.hist[v.w >> 21], 1u);
-        }
-      }
+      for (int j = 0; j < PER; ++j) f(g * PER + j);
     }
+  };
+  auto convert = [&](bool check) {
+    as_landed([&](int u) {
+      if (!check || u * THREADS + tid < nfull) {
+        uint4* q = q0 + u * THREADS;
+        uint4 v = *q;
+        // Every column as an element (a sparse row's invalid ones are taken out below, after the barrier).
+        v.x = f32_key(v.x); v.y = f32_key(v.y); v.z = f32_key(v.z); v.w = f32_key(v.w);
+        *q = v;
+        atomicAdd(&sm.hist[v.x >> 21], 1u);
+        atomicAdd(&sm.hist[v.y >> 21], 1u);
+        atomicAdd(&sm.hist[v.z >> 21], 1u);
+        atomicAdd(&sm.hist[v.w >> 21], 1u);
+      }
+    });
   };
   // The copied chunks of a validity-first row: their valid prefix as elements, the rest "no element" (key 0,
   // not counted).
   auto convert_valid = [&]() {
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      wait_group(g);
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int u = g * PER + j;
-        if (u < PER ? u * THREADS + tid < nfull : vc[u] != 0) {  // group 0: copied whatever vc says
-          uint4* q = q0 + u * THREADS;
-          const uint4 v = *q;
-          const uint32_t key[4] = {vc[u] > 0 ? f32_key(v.x) : 0u, vc[u] > 1 ? f32_key(v.y) : 0u,
-                                   vc[u] > 2 ? f32_key(v.z) : 0u, vc[u] > 3 ? f32_key(v.w) : 0u};
-          *q = make_uint4(key[0], key[1], key[2], key[3]);
-          hist_keys<4>(sm, key, 0, 0u);
-        }
+    as_landed([&](int u) {
+      if (u < PER ? u * THREADS + tid < nfull : vc[u] != 0) {  // group 0: copied whatever vc says
+        uint4* q = q0 + u * THREADS;
+        const uint4 v = *q;
+        const uint32_t key[4] = {vc[u] > 0 ? f32_key(v.x) : 0u, vc[u] > 1 ? f32_key(v.y) : 0u,
+                                 vc[u] > 2 ? f32_key(v.z) : 0u, vc[u] > 3 ? f32_key(v.w) : 0u};
+        *q = make_uint4(key[0], key[1], key[2], key[3]);
+        hist_keys<4>(sm, key, 0, 0u);
       }
-    }
+    });
   };
   if (first) convert_valid();
   else if ((NU - 1) * THREADS + tid < nfull) convert(false);
