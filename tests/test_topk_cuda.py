@@ -483,15 +483,15 @@ def test_sparse_topk(dtype, cbs, nb_width, holes, gen):
 @pytest.mark.parametrize("garbage", ["neg_inf", "one_value", "spread", "nan"])
 def test_sparse_topk_invalid_columns(cbs, garbage, gen):
     """Shared-memory rows whose candidate lists are mostly -1 (short contexts), with -1 holes and a partial last
-    block: their invalid columns must stay out of the coarse histogram exactly, on both loads. In whole-row loads,
-    scores all in one bin (-inf, as the scorer writes; one value; NaN, whose key is in bin 0) take the merged
-    decrements (per run, then one atomic per warp); spread over many bins, the per-run and per-lane ones."""
+    block: their invalid columns must stay out of the coarse histogram exactly. In whole-row loads, scores all in one
+    bin (-inf, as the scorer writes; one value; NaN, whose key is in bin 0) take the merged decrements (per run,
+    then one atomic per warp); spread over many bins, the per-run and per-lane ones."""
     nb = W_SMEM // cbs
     width = nb * cbs
-    # valid columns between ~k and the whole row, lengths not multiples of cbs (the cut block). The kernel loads
-    # rows 0 and 8 (requests at least as long as the row, lists ending in a valid block) whole and takes their
-    # invalid columns out of the histogram; the others (shorter requests, or a list ending in -1: row 9) learn their
-    # valid blocks first and copy only those.
+    # valid columns between ~k and the whole row, lengths not multiples of cbs (the cut block). Rows 0 and 8 are
+    # requests at least as long as the row whose lists end in a valid block (8 with 60% -1 holes), row 9 a long
+    # request whose list ends in -1: benchmarks/variants/valid_first.patch loads rows 0, 8 and 9 whole and copies
+    # only the valid chunks of the others (requests shorter than the row).
     lens = [width, width - 3, width // 2 + 5, width // 3 + 1, width // 4 + 7, 200 + 3, 130, 70, width, 2 * width]
     R = len(lens)
     blocks = testing.random_candidates(lens, nb, cbs, gen=gen)
