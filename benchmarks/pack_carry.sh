@@ -16,7 +16,7 @@ if ! ls .whl/expecttest-*.whl >/dev/null 2>&1; then
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl expecttest
 fi
 if [ ! -f .deps/deepgemm/deepinfer_gemm-2.8.2.tar.gz ] && [ -f ../shared/tools/deepgemm-fetch.sh ]; then
-  PATH="$(dirname "$(command -v "$py")"):$PATH" bash ../shared/tools/deepgemm-fetch.sh .deps/deepgemm > /dev/null \
+  PATH="$(cd "$(dirname "$(command -v "$py")")" && pwd):$PATH" bash ../shared/tools/deepgemm-fetch.sh .deps/deepgemm > /dev/null \
     || echo "DeepGEMM not fetched (its suite and tests will skip on the device)"
 fi
 mkdir -p .carry
