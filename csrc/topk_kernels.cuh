@@ -412,6 +412,10 @@ struct SparseTabSrc : SparseSrc<T> {
   __device__ __forceinline__ void elems(const Raw& raw, int c, uint32_t (&key)[SparseSrc<T>::E]) const {
     this->elems_with(raw, c, key, [&](int b) { return tv[b]; });
   }
+  // Each thread's block ids, copied into the table, to their valid prefixes in place (the async load).
+  __device__ __forceinline__ void ids_to_prefixes() const {
+    for (int b = threadIdx.x; b < nb; b += THREADS) tv[b] = this->valid_in(tv[b]);
+  }
   // The table from global loads (before the streamed load).
   __device__ void fill_table() const {
     for (int b = threadIdx.x; b < nb; b += THREADS) tv[b] = this->valid_in(__ldg(this->blk + b));
@@ -1356,7 +1360,8 @@ struct DecRuns {
 // (64 KB in flight per CTA instead of two 16-byte tiles per thread through registers: the streamed load was bound
 // by bytes in flight, 5.7 us per row with two CTAs per SM, NOTES.md), in four commit groups; each thread converts
 // its own chunks in place (raw bits to keys) and counts them as its groups land, so no barrier separates a copy
-// from its conversion; a sparse row then takes its invalid columns out again. A sparse row's candidate block ids
+// from its conversion; a sparse row then takes its invalid columns out again (a short request's row copies and
+// counts only its valid chunks instead: below; H100 runs 157-158, NOTES.md). A sparse row's candidate block ids
 // go first, by cp.async as well, into its table of valid prefixes: global loads of them before the copies would
 // delay the row by a DRAM latency, and after the copies they would wait behind the whole row (NOTES.md, run 37).
 template <class Src>
@@ -1367,6 +1372,15 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   constexpr int PER = NU / G;
   static_assert(NU % G == 0 && G >= 1 && G <= 4, "commit groups");
   const int m = src.m, nfull = m >> 2, tid = (int)threadIdx.x;
+  // A sparse row whose request is shorter than its candidate columns (a short context: its list ends in -1 blocks)
+  // copies the first quarter of its row (group 0) as any row does, then learns its valid prefixes and copies only
+  // the other chunks that hold valid columns (vc[u] of them, a prefix of the chunk: a chunk never spans two
+  // blocks). A 4K-token request in 16K candidate columns so reads a quarter of its row and needs no decrements.
+  // Other rows copy the whole row without waiting on their ids (that wait would delay every full row by a memory
+  // latency); group 0 goes first so that a full row's copies wait only on its length.
+  int vc[NU];
+#pragma unroll
+  for (int u = 0; u < NU; ++u) vc[u] = 4;
   if constexpr (Src::KIND == SPARSE) {
     // ids per thread at most (candidate blocks of at least 8 columns)
     constexpr int NB = (SMEM_KEYS / 8 + THREADS - 1) / THREADS;
@@ -1383,17 +1397,42 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   static_assert(THREADS % 64 == 0, "one swizzle per thread");
   const SmemBase kb(K + 4 * kgroup(tid));
   const char* const gb = src.ch.abase + 16LL * tid;
-  unrolled<NU>([&](auto uc) {
-    constexpr int u = decltype(uc)::value;
-    if (u * THREADS + tid < nfull) cp_async_at<16, 16 * u * THREADS>(kb, 16u * u * THREADS, gb);
-    if constexpr (u % PER == PER - 1) cp_async_commit();  // G commit groups of PER copies
-  });
+  uint4* const q0 = reinterpret_cast<uint4*>(K + 4 * kgroup(tid));
+  auto copy_group = [&](auto gc) {  // group g's copies (vc[u] == 0: no valid column, so "no element" instead)
+    unrolled<PER>([&](auto jc) {
+      constexpr int u = decltype(gc)::value * PER + decltype(jc)::value;
+      if (u * THREADS + tid < nfull) {
+        if (vc[u] != 0) cp_async_at<16, 16 * u * THREADS>(kb, 16u * u * THREADS, gb);
+        else q0[u * THREADS] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    });
+    cp_async_commit();
+  };
+  copy_group(std::integral_constant<int, 0>{});
+  bool first = false;
+  if constexpr (Src::KIND == SPARSE) {
+    first = src.len < (long long)m;
+    if (first) {
+      cp_async_wait<1>();  // the ids (group 0's copies may still be in flight)
+      src.ids_to_prefixes();
+      __syncthreads();
+#pragma unroll
+      for (int u = 0; u < NU; ++u) {
+        const int c = u * THREADS + tid;
+        const int v = c < nfull ? src.tv[(4 * c) >> src.lcbs] - ((4 * c) & (src.cbs - 1)) : 0;
+        vc[u] = v <= 0 ? 0 : (v >= 4 ? 4 : v);
+      }
+    }
+  }
+  unrolled<G - 1>([&](auto gc) { copy_group(std::integral_constant<int, decltype(gc)::value + 1>{}); });
   clear_hist(sm);
   if (tid == 0) sm.ctl[4] = 0u;
   for (int i = 4 * nfull + tid; i < round32(m); i += THREADS) K[kslot(i)] = 0u;  // past the copies: tail + padding
   if constexpr (Src::KIND == SPARSE) {  // this thread's block ids have landed: their valid prefixes, in place
-    cp_async_wait<G>();
-    for (int b = tid; b < src.nb; b += THREADS) src.tv[b] = src.valid_in(src.tv[b]);
+    if (!first) {
+      cp_async_wait<G>();
+      src.ids_to_prefixes();
+    }
   }
   __syncthreads();  // the histogram is clear and a sparse row's valid prefixes are stored before the counts
   if (tid == 0 && 4 * nfull < m) {  // the partial last chunk
@@ -1414,8 +1453,7 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
   }
   // Chunk u of this thread sits u * THREADS groups after its first (as for the copies). Threads whose chunks all lie
   // inside the row (all but the last few) convert them without a bounds test, so the conversion is straight-line code.
-  uint4* const q0 = reinterpret_cast<uint4*>(K + 4 * kgroup(tid));
-  auto convert = [&](bool check) {
+  auto as_landed = [&](auto&& f) {  // f(u) for each chunk u of this thread, as its commit group lands
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       if (g == 0) cp_async_wait<G - 1>();
@@ -1423,25 +1461,43 @@ __device__ void keys_to_smem_async(Smem& sm, const Src& src, uint32_t* K) {
       else if (g == 2) cp_async_wait<(G > 2 ? G - 3 : 0)>();
       else cp_async_wait<0>();
 #pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int u = g * PER + j;
-        if (!check || u * THREADS + tid < nfull) {
-          uint4* q = q0 + u * THREADS;
-          uint4 v = *q;
-          // Every column as an element (a sparse row's invalid ones are taken out below, after the barrier).
-          v.x = f32_key(v.x); v.y = f32_key(v.y); v.z = f32_key(v.z); v.w = f32_key(v.w);
-          *q = v;
-          atomicAdd(&sm.hist[v.x >> 21], 1u);
-          atomicAdd(&sm.hist[v.y >> 21], 1u);
-          atomicAdd(&sm.hist[v.z >> 21], 1u);
-          atomicAdd(&sm.hist[v.w >> 21], 1u);
-        }
-      }
+      for (int j = 0; j < PER; ++j) f(g * PER + j);
     }
   };
-  if ((NU - 1) * THREADS + tid < nfull) convert(false);
+  auto convert = [&](bool check) {
+    as_landed([&](int u) {
+      if (!check || u * THREADS + tid < nfull) {
+        uint4* q = q0 + u * THREADS;
+        uint4 v = *q;
+        // Every column as an element (a sparse row's invalid ones are taken out below, after the barrier).
+        v.x = f32_key(v.x); v.y = f32_key(v.y); v.z = f32_key(v.z); v.w = f32_key(v.w);
+        *q = v;
+        atomicAdd(&sm.hist[v.x >> 21], 1u);
+        atomicAdd(&sm.hist[v.y >> 21], 1u);
+        atomicAdd(&sm.hist[v.z >> 21], 1u);
+        atomicAdd(&sm.hist[v.w >> 21], 1u);
+      }
+    });
+  };
+  // The copied chunks of a validity-first row: their valid prefix as elements, the rest "no element" (key 0,
+  // not counted).
+  auto convert_valid = [&]() {
+    as_landed([&](int u) {
+      if (u < PER ? u * THREADS + tid < nfull : vc[u] != 0) {  // group 0: copied whatever vc says
+        uint4* q = q0 + u * THREADS;
+        const uint4 v = *q;
+        const uint32_t key[4] = {vc[u] > 0 ? f32_key(v.x) : 0u, vc[u] > 1 ? f32_key(v.y) : 0u,
+                                 vc[u] > 2 ? f32_key(v.z) : 0u, vc[u] > 3 ? f32_key(v.w) : 0u};
+        *q = make_uint4(key[0], key[1], key[2], key[3]);
+        hist_keys<4>(sm, key, 0, 0u);
+      }
+    });
+  };
+  if (first) convert_valid();
+  else if ((NU - 1) * THREADS + tid < nfull) convert(false);
   else convert(true);
   __syncthreads();
+  if (first) return;
   if constexpr (Src::KIND == SPARSE) {
     // The copied columns of candidate blocks that are not wholly valid (-1 ids, the block the row's length cuts)
     // become "no element" and leave the histogram: a pass over the row's block table instead of a validity test

@@ -490,8 +490,9 @@ def test_sparse_topk_invalid_columns(cbs, garbage, gen):
     width = nb * cbs
     # valid columns between ~k and the whole row, lengths not multiples of cbs (the cut block). Rows 0 and 8 are
     # requests at least as long as the row whose lists end in a valid block (8 with 60% -1 holes), row 9 a long
-    # request whose list ends in -1: benchmarks/variants/valid_first.patch loads rows 0, 8 and 9 whole and copies
-    # only the valid chunks of the others (requests shorter than the row).
+    # request whose list ends in -1: the async load takes rows 0, 8 and 9 whole (then decrements) and copies only
+    # the valid chunks of the others (requests shorter than the row; benchmarks/variants/wholerow.patch loads all
+    # rows whole).
     lens = [width, width - 3, width // 2 + 5, width // 3 + 1, width // 4 + 7, 200 + 3, 130, 70, width, 2 * width]
     R = len(lens)
     blocks = testing.random_candidates(lens, nb, cbs, gen=gen)
