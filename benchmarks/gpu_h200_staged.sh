@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The staged device call after session 37 (benchmarks/NOTES.md, "Staged ... after session 37"). Carry [".carry", ".whl", ".deps/deepgemm"].
+# A staged device call (written after session 37; item 1 of NOTES.md's "Staged ... after session 39"). Carry [".carry", ".whl", ".deps/deepgemm"].
 # In order, each step only while it fits BUDGET (device_common.sh's `fits`):
-#   any GPU:      tests/test_topk_cuda.py whole (the sparse rows' merged decrements), unless SKIP_TESTS=1
+#   any GPU:      tests/test_topk_cuda.py whole on the default library, unless SKIP_TESTS=1
 #   an H200 only: the scoring suite's decode section (TMA dense decode rows, row kernel configurations, DeepGEMM's
 #                 raw kernel in the same process; DeepGEMM is built in the background from the start)
 #   any GPU:      the shared-memory top-k rows on the default and on variant_fixup_serial (the old decrements),
-#                 default again, write flush, unless FIXUP=0
+#                 default again, write flush, unless FIXUP=0 (only where variant_fixup_serial.so was built)
 #   an H200 only: the TMA bulk-read probe, the DeepGEMM suite (_agreement), the top-k head-prefetch variants
 # Everything lands in $OUT/logs (packed into $OUT/logs.tgz) and $OUT/summary.txt.
 set -u
