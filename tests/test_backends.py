@@ -39,7 +39,8 @@ def test_cpu_emulation_inside_a_scope_does_not_leak():
 def test_defer_passes_a_supporting_backend_over_only_in_automatic_dispatch():
     first = lambda *a: None  # noqa: E731
     later = lambda *a: None  # noqa: E731
-    with backends.registry_scope():
+    # Cleared: on a GPU machine the real CUDA backend (priority 20) would otherwise be asked last.
+    with backends.registry_scope("paged_mqa_logits"):
         backends.register("paged_mqa_logits", "deepgemm", first, priority=99,
                           defer=lambda x: "slower here" if x == "defer" else None)
         backends.register("paged_mqa_logits", "triton", later, priority=98)

@@ -231,21 +231,66 @@ torch.ops.sparse_indexer.sparse_indexer_prefill.default(arg7_1, None, arg5_1, ar
 torch.ops.sparse_indexer.sparse_indexer_decode.default(arg14_1, None, arg2_1, arg15_1, arg16_1, arg3_1, arg17_1, arg18_1, 8, 8, arg19_1, arg20_1)""")
 
 
+_GOOD_POST = """
+        write_k_cache_default = torch.ops.sparse_indexer.write_k_cache.default(arg0_1, arg1_1, arg2_1, 'fp8', True)
+        copy_: "u8[8, 16, 68][1088, 68, 1]cpu" = torch.ops.aten.copy_.default(arg2_1, arg2_1)"""
+_GOOD_CODE = "        torch.ops.sparse_indexer.write_k_cache.default(arg0_1, arg1_1, arg2_1, 'fp8', True)"
+
+
+@pytest.mark.parametrize("where,old,new", [
+    ("post", "write_k_cache_default = torch.ops.sparse_indexer.write_k_cache.default(arg0_1,",
+     "auto_functionalized_v2 = torch.ops.higher_order.auto_functionalized_v2(torch.ops.sparse_indexer."
+     "write_k_cache.default, arg0_1,"),
+    ("post", "copy_.default(arg2_1, arg2_1)", "clone.default(arg2_1)"),
+    ("post", "copy_.default(arg2_1, arg2_1)", "copy_.default(arg2_1, buf0)"),
+    ("post", "write_k_cache.default(arg0_1", "gather_k.default(arg0_1"),
+    ("code", "torch.ops.sparse_indexer.write_k_cache.default(arg0_1",
+     "buf0 = arg2_1.clone(); torch.ops.sparse_indexer.write_k_cache.default(arg0_1"),
+    ("code", "torch.ops.sparse_indexer.write_k_cache.default(arg0_1, arg1_1, arg2_1",
+     "aten.copy_(arg2_1, buf0)"),
+])
+def test_reinplace_check_catches_each_leftover(where, old, new):
+    """The check on hand-made text: a graph as the step compiles passes, and each kind of leftover of
+    functionalization (an auto_functionalized call, a clone, a copy between buffers, another op or order) fails."""
+    assert _check_reinplaced(_GOOD_POST, _GOOD_CODE, ["write_k_cache"]) == _GOOD_CODE.strip()
+    post, code = _GOOD_POST, _GOOD_CODE
+    if where == "post":
+        assert old in post
+        post = post.replace(old, new)
+    else:
+        assert old in code
+        code = code.replace(old, new)
+    with pytest.raises(AssertionError):
+        _check_reinplaced(post, code, ["write_k_cache"])
+
+
 def test_reinplace_check_is_not_vacuous():
-    """With Inductor's re-inplacing pass switched off the same step keeps clones, and the check fails."""
+    """With Inductor's re-inplacing pass replaced by one that re-inplaces nothing (every mutated base marked for a
+    clone, as the pass leaves a write it cannot prove safe) the same step keeps clones, and the check fails."""
     import unittest.mock
     from torch._inductor.fx_passes import post_grad
     if not hasattr(post_grad, "reinplace_inplaceable_ops"):
-        pytest.skip("this torch has no reinplace_inplaceable_ops pass to switch off")
+        pytest.skip("this torch has no reinplace_inplaceable_ops pass to replace")
     if not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "c++", "clang++")):
         pytest.skip("the clones of the un-reinplaced graph need Inductor's C++ backend (no compiler here)")
     d = _step_inputs(torch.Generator().manual_seed(0))
 
     def write_only(k_new, slots, cache):
         ops.write_k_cache(k_new, slots, cache, FMT, True)
-    with unittest.mock.patch.object(post_grad, "reinplace_inplaceable_ops", lambda *a, **k: None):
+
+    marked = []
+
+    def clone_every_base(*args, **kwargs):
+        # Switching the pass off is not enough: torch 2.11 then clones nothing (the decomposition's default), 2.13+
+        # clones every base. Marking every base is what the pass itself does with a write it cannot re-inplace.
+        for node in args[-1].nodes:
+            if node.target is torch.ops.higher_order.auto_functionalized_v2:
+                node.meta["only_clone_these_tensors"] = list(range(len(node.kwargs["_all_bases"])))
+                marked.append(node)
+    with unittest.mock.patch.object(post_grad, "reinplace_inplaceable_ops", clone_every_base):
         post, code = _compile_capture(write_only, [d["k_new"], d["slots"], d["cache"]])
     torch._dynamo.reset()
+    assert marked, "no auto_functionalized_v2 call reached the replaced pass (Inductor no longer calls it by this name?)"
     with pytest.raises(AssertionError):
         _check_reinplaced(post, code, ["write_k_cache"])
     post, code = _compile_capture(write_only, [d["k_new"], d["slots"], d["cache"]])

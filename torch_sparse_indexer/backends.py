@@ -86,11 +86,14 @@ def use_backend(name: Optional[str]):
 
 
 @contextlib.contextmanager
-def registry_scope():
+def registry_scope(*clear: str):
     """Backends registered or replaced inside the block are undone at its end, so a test module that
     registers stand-ins (e.g. the Triton kernels for CPU tensors under the interpreter) leaves every other
-    module the registry it found."""
+    module the registry it found. The ops named in ``clear`` start the block with no backend at all, so a test
+    of the dispatch rules sees only its own stand-ins, whichever real backends this machine registered."""
     saved = {op: list(lst) for op, lst in _REGISTRY.items()}
+    for op in clear:
+        _REGISTRY.pop(op, None)
     try:
         yield
     finally:
