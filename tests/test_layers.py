@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._inductor.exc import InductorError
 from torch._inductor.utils import run_and_get_code
 from torch.testing._internal.logging_utils import logs_to_string
 
@@ -336,6 +337,15 @@ def one_compile_thread():
         yield
 
 
+# torch 2.11's Inductor C++ backend emits uncompilable vectorized code for the metadata builder's masked int32
+# arithmetic ("'decltype' evaluates to 'int'" in a blendv: a torch bug, fixed by 2.13; 2.12 not tried). CPU only: on
+# a GPU the builder compiles to Triton (test_capture_gpu passed on torch 2.11, run 161).
+_CPP_CODEGEN_BUG = pytest.mark.xfail(
+    torch.__version__.startswith("2.11."), raises=InductorError, strict=True,
+    reason="torch 2.11's Inductor C++ codegen fails on the metadata builder's masked int32 code")
+
+
+@_CPP_CODEGEN_BUG
 def test_step_compiles_once_and_matches_eager(seed, one_compile_thread):
     """Fullgraph, zero breaks, and several different batches (mixed, decode-heavy, MTP, chunked, empty
     and padded requests) through one compiled graph: frame count stays 1 and every output equals eager."""
@@ -367,6 +377,7 @@ def test_step_compiles_once_and_matches_eager(seed, one_compile_thread):
 _OP_CALL = re.compile(r"torch\.ops\.(sparse_indexer(?:_layers)?)\.(\w+)\.default\((.*)\)\s*$")
 
 
+@_CPP_CODEGEN_BUG
 def test_step_post_grad_graph_is_reinplaced(one_compile_thread):
     """The compiled step calls each op once per layer, directly on the module buffers (graph
     inputs or views of them), with no functionalization left and no temporary the size of a big buffer."""
