@@ -21,6 +21,19 @@ def test_registry_scope_undoes_additions_and_replacements():
     assert {op: _names(op) for op in before} == before
 
 
+def test_registry_scope_clears_the_named_ops_only_inside():
+    before = {op: _names(op) for op in ("topk", "paged_mqa_logits")}
+    assert before["paged_mqa_logits"], "the reference backend is always registered"
+    with backends.registry_scope("paged_mqa_logits"):
+        assert backends.candidates("paged_mqa_logits") == []
+        assert _names("topk") == before["topk"]                 # ops not named keep their backends
+        with pytest.raises(NotImplementedError, match="no backend registered"):
+            backends.select("paged_mqa_logits")
+        backends.register("paged_mqa_logits", "triton", lambda *a: None, priority=1)
+        assert [b.name for b in backends.candidates("paged_mqa_logits")] == ["triton"]
+    assert {op: _names(op) for op in before} == before
+
+
 def test_cpu_emulation_inside_a_scope_does_not_leak():
     """test_triton_kernels registers the interpreter's kernels for CPU tensors inside a scope; afterwards CPU
     tensors dispatch to the reference again (a test module in the same process, e.g. test_fuzz's CPU mode,
