@@ -50,10 +50,6 @@ def _pytest(args, env_extra, timeout):
     return tail
 
 
-def _minor(version):
-    return tuple(int(x) for x in version.split("+")[0].split(".")[:2])
-
-
 def _skip_if_interpreter_too_old():
     """Triton's interpreter before 3.7 holds a kernel's scalars as 1-element NumPy arrays and turns loop bounds into
     ints with ``int()``, which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars":
@@ -61,7 +57,8 @@ def _skip_if_interpreter_too_old():
     NumPy 2.3. The GPU runs the same kernels compiled."""
     triton = pytest.importorskip("triton")
     import numpy
-    if _minor(triton.__version__) < (3, 7) and _minor(numpy.__version__) >= (2, 4):
+    from torch_sparse_indexer.kernels.deepgemm import _version_tuple
+    if _version_tuple(triton.__version__) < (3, 7) and _version_tuple(numpy.__version__) >= (2, 4):
         pytest.skip(f"triton {triton.__version__}'s interpreter cannot take NumPy {numpy.__version__}'s scalars "
                     "as loop bounds (needs triton >= 3.7 or numpy < 2.4)")
 
