@@ -246,8 +246,8 @@ _GOOD_CODE = "        torch.ops.sparse_indexer.write_k_cache.default(arg0_1, arg
     ("post", "write_k_cache.default(arg0_1", "gather_k.default(arg0_1"),
     ("code", "torch.ops.sparse_indexer.write_k_cache.default(arg0_1",
      "buf0 = arg2_1.clone(); torch.ops.sparse_indexer.write_k_cache.default(arg0_1"),
-    ("code", "torch.ops.sparse_indexer.write_k_cache.default(arg0_1, arg1_1, arg2_1",
-     "aten.copy_(arg2_1, buf0)"),
+    ("code", "torch.ops.sparse_indexer.write_k_cache.default(arg0_1",
+     "aten.copy_(arg2_1, buf0); torch.ops.sparse_indexer.write_k_cache.default(arg0_1"),
 ])
 def test_reinplace_check_catches_each_leftover(where, old, new):
     """The check on hand-made text: a graph as the step compiles passes, and each kind of leftover of
